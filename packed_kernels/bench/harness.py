@@ -1,0 +1,152 @@
+"""Timing, memory and bookkeeping shared by every chapter's benchmark."""
+from __future__ import annotations
+
+import csv
+import datetime as _dt
+import json
+import math
+import os
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, Iterable, List, Optional
+
+import torch
+
+#: A provider factory allocates its inputs and returns the function to time, or
+#: ``(function, tensors whose .grad is reset between repetitions)``.
+ProviderFactory = Callable[[], Any]
+
+
+@dataclass
+class Case:
+    """One problem size of one workload, with every provider that solves it.
+
+    Attributes:
+        workload: what is timed, e.g. ``"fwd+bwd"``.
+        params: the size parameters, written as columns (``B``, ``T``, ...).
+        providers: provider name -> factory (see :data:`ProviderFactory`).
+        floor_bytes: fewest bytes the workload must move through device memory
+            (each input read once, each output written once); with the measured
+            copy bandwidth it gives the memory floor in the results.
+        floor_ms: a floor known in milliseconds instead (a sequential-latency
+            bound, say); the larger of the two floors is recorded.
+    """
+
+    workload: str
+    params: Dict[str, Any]
+    providers: Dict[str, ProviderFactory]
+    floor_bytes: Optional[float] = None
+    floor_ms: Optional[float] = None
+    notes: Dict[str, Any] = field(default_factory=dict)
+
+
+def environment() -> Dict[str, Any]:
+    import triton
+
+    return {
+        "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "cuda": torch.version.cuda or "",
+        "date": _dt.date.today().isoformat(),
+    }
+
+
+def measure_copy_bandwidth(n_bytes: int = 1 << 30) -> float:
+    """Device-to-device copy bandwidth in bytes/s, counting bytes read plus written."""
+    import triton.testing
+
+    src = torch.empty(n_bytes // 4, dtype=torch.float32, device="cuda").uniform_()
+    dst = torch.empty_like(src)
+    ms = triton.testing.do_bench(lambda: dst.copy_(src), warmup=50, rep=200, return_mode="median")
+    del src, dst
+    torch.cuda.empty_cache()
+    return 2 * n_bytes / (ms * 1e-3)
+
+
+def _time_provider(factory: ProviderFactory) -> Dict[str, float]:
+    import triton.testing
+
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    before = torch.cuda.memory_allocated()
+    built = factory()
+    fn, grad_to_none = built if isinstance(built, tuple) else (built, None)
+    fn()  # warm-up: compilation and autotuning stay out of the numbers
+    torch.cuda.synchronize()
+    with_inputs = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    fn()
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated()
+    p20, p50, p80 = triton.testing.do_bench(
+        fn, warmup=25, rep=100, grad_to_none=grad_to_none, quantiles=[0.2, 0.5, 0.8]
+    )
+    del fn, built, grad_to_none
+    return {
+        "ms_p20": p20,
+        "ms_p50": p50,
+        "ms_p80": p80,
+        "peak_bytes": peak - before,  # inputs the provider holds plus its working memory
+        "extra_bytes": peak - with_inputs,  # working memory and outputs beyond its inputs
+    }
+
+
+def run_cases(
+    chapter: str, cases: Iterable[Case], bandwidth: float, env: Dict[str, Any]
+) -> List[Dict[str, Any]]:
+    """Time every provider of every case; print one line per measurement."""
+    rows: List[Dict[str, Any]] = []
+    for case in cases:
+        floors = []
+        if case.floor_bytes is not None:
+            floors.append(case.floor_bytes / bandwidth * 1e3)
+        if case.floor_ms is not None:
+            floors.append(case.floor_ms)
+        floor_ms = max(floors) if floors else math.nan
+        label = " ".join(f"{k}={v}" for k, v in case.params.items())
+        for provider, factory in case.providers.items():
+            row: Dict[str, Any] = {"chapter": chapter, "workload": case.workload, "provider": provider}
+            row.update(case.params)
+            start = time.time()
+            try:
+                row.update(_time_provider(factory))
+                row["error"] = ""
+            except Exception as err:  # an OOM or a failing baseline must not stop the run
+                row.update(ms_p20=math.nan, ms_p50=math.nan, ms_p80=math.nan, peak_bytes=math.nan,
+                           extra_bytes=math.nan, error=f"{type(err).__name__}: {err}"[:200])
+                torch.cuda.empty_cache()
+            row["floor_ms"] = floor_ms
+            row["floor_bytes"] = case.floor_bytes if case.floor_bytes is not None else math.nan
+            row.update(case.notes)
+            row.update(env)
+            row["copy_bytes_per_s"] = bandwidth
+            rows.append(row)
+            status = row["error"] or (
+                f"{row['ms_p50']:9.4f} ms  (floor {floor_ms:.4f})  peak {row['peak_bytes'] / 2**20:9.1f} MiB"
+            )
+            print(f"[{chapter}] {case.workload:12s} {label:40s} {provider:22s} {status}"
+                  f"  [{time.time() - start:.1f}s]", flush=True)
+    return rows
+
+
+def write_rows(path: str, rows: List[Dict[str, Any]]) -> None:
+    """Write rows as CSV, with the union of their keys as columns, in first-seen order."""
+    columns: List[str] = []
+    for row in rows:
+        columns.extend(k for k in row if k not in columns)
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    with open(path, "w", newline="") as fh:
+        writer = csv.DictWriter(fh, fieldnames=columns)
+        writer.writeheader()
+        writer.writerows(rows)
+
+
+def write_environment(path: str, env: Dict[str, Any], bandwidth: float) -> None:
+    info = dict(env, copy_bandwidth_bytes_per_s=bandwidth,
+                sm_count=torch.cuda.get_device_properties(0).multi_processor_count)
+    with open(path, "w") as fh:
+        json.dump(info, fh, indent=2)
+        fh.write("\n")
+    print(f"copy bandwidth {bandwidth / 1e12:.3f} TB/s on {env['gpu']}", file=sys.stderr, flush=True)

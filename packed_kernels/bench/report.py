@@ -1,0 +1,89 @@
+"""Reading recorded benchmark results and drawing them, for the notebooks.
+
+The results are long-format CSV rows written by ``python -m packed_kernels.bench``
+under ``book/results/``: one row per (workload, sizes, provider), with the median
+and quartile times, peak memory, the floor, the GPU name, versions and date.
+"""
+from __future__ import annotations
+
+import json
+import os
+from typing import Optional, Sequence
+
+import pandas as pd
+
+from .__main__ import default_results_dir
+
+
+def load_results(chapter: str, results_dir: Optional[str] = None) -> Optional[pd.DataFrame]:
+    """The recorded rows of one chapter, or ``None`` when nothing was recorded."""
+    path = os.path.join(results_dir or default_results_dir(), f"{chapter}.csv")
+    if not os.path.exists(path):
+        return None
+    return pd.read_csv(path, keep_default_na=False, na_values=["nan", "NaN", ""])
+
+
+def describe_run(rows: pd.DataFrame) -> str:
+    """One sentence saying where, when and with what the rows were measured."""
+    first = rows.iloc[0]
+    bandwidth = float(first.get("copy_bytes_per_s", float("nan"))) / 1e12
+    return (
+        f"Measured on {first['gpu']} on {first['date']} with torch {first['torch']} and "
+        f"triton {first['triton']} (CUDA {first.get('cuda', '?')}); measured copy bandwidth "
+        f"{bandwidth:.2f} TB/s. Times are medians of `triton.testing.do_bench`."
+    )
+
+
+def speedup_table(
+    rows: pd.DataFrame, index: Sequence[str], baseline: str, workload: Optional[str] = None
+) -> pd.DataFrame:
+    """Median times (ms) per provider, one row per size, and each provider's speedup over ``baseline``."""
+    if workload is not None:
+        rows = rows[rows["workload"] == workload]
+    times = rows.pivot_table(index=list(index), columns="provider", values="ms_p50", aggfunc="first")
+    floor = rows.groupby(list(index))["floor_ms"].first()
+    table = times.copy()
+    for provider in times.columns:
+        if provider != baseline:
+            table[f"speedup {provider}"] = times[baseline] / times[provider]
+    table["floor ms"] = floor
+    return table
+
+
+def plot_speedup(ax, rows: pd.DataFrame, x: str, baseline: str, providers: Sequence[str],
+                 labels: Optional[Sequence[str]] = None, title: str = "") -> None:
+    """Bars of speedup over ``baseline`` for each provider at each ``x``, with the floor marked.
+
+    The floor marker is the speedup a kernel running at the floor (``floor_ms``)
+    would reach: the hardware limit for that size.
+    """
+    import numpy as np
+
+    rows = rows.reset_index(drop=True)
+    groups = list(dict.fromkeys(rows[x]))
+    base = rows[rows["provider"] == baseline].set_index(x)["ms_p50"]
+    floor = rows.groupby(x)["floor_ms"].first()
+    width = 0.8 / max(len(providers), 1)
+    positions = np.arange(len(groups))
+    for i, provider in enumerate(providers):
+        sub = rows[rows["provider"] == provider].set_index(x)["ms_p50"]
+        speedups = [base.get(g, np.nan) / sub.get(g, np.nan) for g in groups]
+        label = labels[i] if labels else provider
+        bars = ax.bar(positions + (i - (len(providers) - 1) / 2) * width, speedups, width, label=label)
+        ax.bar_label(bars, fmt="%.2f×", fontsize=7)
+    limit = [base.get(g, np.nan) / floor.get(g, np.nan) for g in groups]
+    ax.scatter(positions, limit, marker="_", s=900, color="black", zorder=3, label="floor (hardware limit)")
+    ax.axhline(1.0, color="grey", lw=0.8, ls="--")
+    ax.set_xticks(positions, [str(g) for g in groups], rotation=20, ha="right", fontsize=8)
+    ax.set_ylabel(f"speedup over {baseline} (×)")
+    ax.set_yscale("log")
+    ax.set_title(title)
+    ax.legend(fontsize=8)
+
+
+def environment_info(results_dir: Optional[str] = None) -> Optional[dict]:
+    path = os.path.join(results_dir or default_results_dir(), "environment.json")
+    if not os.path.exists(path):
+        return None
+    with open(path) as fh:
+        return json.load(fh)

@@ -1,0 +1,3 @@
+"""ctc: naive NumPy, padded PyTorch and Triton stages side by side."""
+
+__all__: list = []

@@ -1,0 +1,62 @@
+"""Where the Triton kernels run: compiled on a CUDA GPU, or interpreted on the CPU.
+
+Triton decides between compiling a kernel and interpreting it when the kernel is
+decorated with ``@triton.jit``, from the environment variable ``TRITON_INTERPRET``.
+This module is imported before any kernel module of the package, and sets that
+variable when no CUDA GPU is visible, so that ``import packed_kernels`` works on a
+laptop or a CPU-only CI machine with no set-up: the very same kernels then run
+through Triton's interpreter on CPU tensors (slowly, one program of the grid after
+another, but with the same results).
+
+An explicit ``TRITON_INTERPRET`` chosen by the user is respected either way.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+
+if "TRITON_INTERPRET" not in os.environ and not torch.cuda.is_available():
+    os.environ["TRITON_INTERPRET"] = "1"
+
+#: True when the Triton kernels run through the interpreter on CPU tensors.
+INTERPRETED: bool = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+#: The device type the kernels take their tensors on: ``"cpu"`` or ``"cuda"``.
+KERNEL_DEVICE: str = "cpu" if INTERPRETED else "cuda"
+
+
+def check_kernel_device(name: str, tensor: torch.Tensor) -> None:
+    """Raise ``ValueError`` unless ``tensor`` lives where the kernels run."""
+    if tensor.device.type != KERNEL_DEVICE:
+        where = (
+            "Triton's interpreter runs the kernels on CPU tensors here (no CUDA GPU is visible)"
+            if INTERPRETED
+            else "the Triton kernels are compiled for the GPU here"
+        )
+        raise ValueError(
+            f"{name} must be a {KERNEL_DEVICE} tensor ({where}); got a tensor on {tensor.device}"
+        )
+
+
+def check_same_device(**tensors: torch.Tensor) -> None:
+    """Raise ``ValueError`` naming the first argument on a different device than the first one."""
+    items = list(tensors.items())
+    first_name, first = items[0]
+    for name, tensor in items[1:]:
+        if tensor.device != first.device:
+            raise ValueError(
+                f"{name} is on {tensor.device} but {first_name} is on {first.device}: "
+                "all tensors must be on one device"
+            )
+
+
+def is_tracing() -> bool:
+    """True while ``torch.compile`` traces or a CUDA graph is being captured.
+
+    Checks that need to read a tensor's values on the host are skipped then: a host
+    read would break the graph (compile) or is forbidden (capture).
+    """
+    if torch.compiler.is_compiling():
+        return True
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()

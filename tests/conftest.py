@@ -1,0 +1,31 @@
+"""Shared fixtures: the tests are written once and run where the kernels run.
+
+On a CUDA machine the Triton kernels are compiled and the ``device`` fixture is
+``"cuda"``; without a GPU they run through Triton's interpreter on ``"cpu"``.
+"""
+import pytest
+import torch
+
+from packed_kernels import runtime
+
+
+@pytest.fixture(scope="session")
+def device() -> str:
+    return runtime.KERNEL_DEVICE
+
+
+@pytest.fixture(autouse=True)
+def _exact_float32_matmul():
+    # References in float32 must not silently use TF32 on the GPU.
+    old = (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32)
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    yield
+    torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = old
+
+
+def pytest_report_header(config):
+    import triton
+
+    where = "interpreted on the CPU" if runtime.INTERPRETED else "compiled for the GPU"
+    return f"torch {torch.__version__}, triton {triton.__version__}: Triton kernels {where}"
