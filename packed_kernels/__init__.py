@@ -4,22 +4,42 @@ Importing the package picks where the kernels run (see :mod:`packed_kernels.runt
 compiled on a CUDA GPU, or through Triton's interpreter on the CPU when no GPU is
 visible. Each algorithm lives in its own subpackage with its three stages side by
 side: ``naive_numpy`` (a float64 reference), ``padded_torch`` (vectorised PyTorch
-over a padded batch) and ``triton_kernels`` (the production path, re-exported here).
+over a padded batch) and ``triton_kernels`` (the production path). Its public
+functions are importable from here; a subpackage is loaded the first time one of its
+names is used, so ``import packed_kernels`` stays cheap.
 """
+import importlib as _importlib
+
 from . import runtime  # must come first: it decides compile vs interpret for @triton.jit
 from .packing import Packed, cu_seqlens_from_lengths, pack, unpack
 
-from . import ctc, lstm, segment_ops, sinkhorn  # noqa: E402  (after runtime)
-from .ctc import *  # noqa: E402,F401,F403
-from .lstm import *  # noqa: E402,F401,F403
-from .segment_ops import *  # noqa: E402,F401,F403
-from .sinkhorn import *  # noqa: E402,F401,F403
-
 __version__ = "0.1.0"
-__all__ = (
-    ["Packed", "pack", "unpack", "cu_seqlens_from_lengths"]
-    + ctc.__all__
-    + sinkhorn.__all__
-    + segment_ops.__all__
-    + lstm.__all__
-)
+
+# public name -> the subpackage that defines it
+_LAZY_NAMES = {
+    "packed_ctc_loss": "ctc",
+    "sinkhorn": "sinkhorn_ops",
+    "sinkhorn_backward": "sinkhorn_ops",
+    "segmented_sum": "segment_ops",
+    "segmented_mean": "segment_ops",
+    "segmented_dot": "segment_ops",
+    "segmented_mul": "segment_ops",
+    "segmented_rms_norm": "segment_ops",
+    "segmented_matvec": "segment_ops",
+    "PersistentLSTM": "lstm",
+}
+
+__all__ = ["Packed", "pack", "unpack", "cu_seqlens_from_lengths", *_LAZY_NAMES]
+
+
+def __getattr__(name):
+    if name in _LAZY_NAMES:
+        module = _importlib.import_module(f".{_LAZY_NAMES[name]}", __name__)
+        value = getattr(module, name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__():
+    return sorted(set(globals()) | set(__all__))
