@@ -38,8 +38,8 @@ def main(argv=None) -> int:
     write_environment(os.path.join(args.out, "environment.json"), env, bandwidth)
     for chapter in chapters:
         module = importlib.import_module(f"packed_kernels.bench.{chapter}")
-        rows = run_cases(chapter, module.cases(), bandwidth, env)
         path = os.path.join(args.out, f"{chapter}.csv")
+        rows = run_cases(chapter, module.cases(), bandwidth, env, path=path)
         write_rows(path, rows)
         print(f"wrote {len(rows)} rows to {path}", flush=True)
     return 0

@@ -94,9 +94,14 @@ def _time_provider(factory: ProviderFactory) -> Dict[str, float]:
 
 
 def run_cases(
-    chapter: str, cases: Iterable[Case], bandwidth: float, env: Dict[str, Any]
+    chapter: str, cases: Iterable[Case], bandwidth: float, env: Dict[str, Any],
+    path: Optional[str] = None,
 ) -> List[Dict[str, Any]]:
-    """Time every provider of every case; print one line per measurement."""
+    """Time every provider of every case; print one line per measurement.
+
+    With ``path``, the rows so far are rewritten there after every case, so that an
+    interrupted run keeps what it measured.
+    """
     rows: List[Dict[str, Any]] = []
     for case in cases:
         floors = []
@@ -128,6 +133,8 @@ def run_cases(
             )
             print(f"[{chapter}] {case.workload:12s} {label:40s} {provider:22s} {status}"
                   f"  [{time.time() - start:.1f}s]", flush=True)
+        if path is not None:
+            write_rows(path, rows)
     return rows
 
 
