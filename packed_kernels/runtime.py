@@ -13,10 +13,22 @@ An explicit ``TRITON_INTERPRET`` chosen by the user is respected either way.
 from __future__ import annotations
 
 import os
+import sys
+import warnings
 
 import torch
 
 if "TRITON_INTERPRET" not in os.environ and not torch.cuda.is_available():
+    if "triton" in sys.modules:
+        # Triton's own library functions (tl.sum, tl.max, ...) were decorated when
+        # triton was imported, in compiled mode; interpreted kernels cannot call them.
+        warnings.warn(
+            "triton was imported before packed_kernels on a machine without a CUDA GPU: "
+            "Triton's interpreter may fail inside kernels. Import packed_kernels first, "
+            "or set TRITON_INTERPRET=1 before starting Python.",
+            RuntimeWarning,
+            stacklevel=2,
+        )
     os.environ["TRITON_INTERPRET"] = "1"
 
 #: True when the Triton kernels run through the interpreter on CPU tensors.

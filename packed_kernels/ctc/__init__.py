@@ -1,3 +1,10 @@
-"""ctc: naive NumPy, padded PyTorch and Triton stages side by side."""
+"""CTC loss over packed sequences, in three stages side by side.
 
-__all__: list = []
+* :mod:`.naive_numpy`: the forward-backward algorithm in float64, one utterance at a time;
+* :mod:`.padded_torch`: the alpha recursion vectorised over a padded batch, with autograd;
+* :mod:`.triton_kernels` and :mod:`.packed_loss`: the packed Triton kernels and the public
+  :func:`packed_ctc_loss`.
+"""
+from .packed_loss import packed_ctc_loss
+
+__all__ = ["packed_ctc_loss"]

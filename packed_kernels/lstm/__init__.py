@@ -1,3 +1,10 @@
-"""lstm: naive NumPy, padded PyTorch and Triton stages side by side."""
+"""A persistent LSTM: naive NumPy, padded PyTorch and Triton stages side by side.
 
-__all__: list = []
+* :mod:`.naive_numpy`: one layer, one direction, the cell written out (float64).
+* :mod:`.padded_torch`: stacked, bidirectional, a loop over time on a padded batch.
+* :mod:`.triton_kernels`: one persistent launch per layer runs the whole recurrence.
+* :class:`PersistentLSTM` (:mod:`.module`): the public wrapper of an ``nn.LSTM``.
+"""
+from .module import PersistentLSTM
+
+__all__ = ["PersistentLSTM"]

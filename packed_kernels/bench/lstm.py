@@ -1,0 +1,172 @@
+"""Benchmark cases of the persistent LSTM chapter: pyannote's segmentation stack.
+
+Four bidirectional layers, 60 input features, hidden size 128, 589 frames (10 s of
+audio), at batch 1, 8, 32 and 128; a hidden-256 variant; and a packed batch of
+chunks of different lengths. Providers: cuDNN through ``nn.LSTM`` (float32, TF32
+off), ``PersistentLSTM`` and, at small batch, the padded PyTorch stage.
+
+The floor is a sequential-latency bound: the recurrence has ``T x layers``
+dependent steps (the two directions run side by side), and a design that splits
+``W_hh`` over several SMs must hand the new hidden state from SM to SM at every
+step. ``floor_ms`` is ``T x layers`` times the measured one-way latency of such a
+hand-off (a flag passed back and forth between two programs through L2). It
+ignores the arithmetic and the input projections, so no implementation of this
+design can go below it.
+"""
+from __future__ import annotations
+
+from typing import Iterable
+
+import torch
+import triton
+import triton.language as tl
+
+from .harness import Case
+
+PYANNOTE = dict(I=60, H=128, layers=4, T=589)
+
+
+@triton.jit
+def _ping_pong_kernel(flag_ptr, n_rounds):
+    """Two programs pass a counter back and forth: program ``p`` waits for ``2 i + p``, writes ``2 i + p + 1``."""
+    pid = tl.program_id(0)
+    for i in range(n_rounds):
+        expected = 2 * i + pid
+        seen = tl.atomic_add(flag_ptr, 0, sem="acquire", scope="gpu")
+        while seen != expected:
+            seen = tl.atomic_add(flag_ptr, 0, sem="acquire", scope="gpu")
+        tl.atomic_xchg(flag_ptr, expected + 1, sem="release", scope="gpu")
+
+
+def handoff_latency_ms(n_rounds: int = 20000) -> float:
+    """One-way latency (ms) of handing a value from one SM to another through L2."""
+    flag = torch.zeros(1, dtype=torch.int32, device="cuda")
+    times = []
+    for _ in range(5):
+        flag.zero_()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        _ping_pong_kernel[(2,)](flag, n_rounds, num_warps=1)
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+    return sorted(times)[len(times) // 2] / (2 * n_rounds)
+
+
+def _lstm(I, H, layers, seed=0):
+    torch.manual_seed(seed)
+    return torch.nn.LSTM(I, H, num_layers=layers, bidirectional=True, batch_first=True).cuda().eval()
+
+
+def _cudnn(B, T, I, H, layers):
+    def factory():
+        lstm = _lstm(I, H, layers)
+        x = torch.randn(B, T, I, device="cuda")
+
+        def run():
+            with torch.no_grad():
+                return lstm(x)
+        return run
+    return factory
+
+
+def _persistent(B, T, I, H, layers):
+    def factory():
+        from ..lstm import PersistentLSTM
+
+        model = PersistentLSTM.from_torch(_lstm(I, H, layers))
+        x = torch.randn(B, T, I, device="cuda")
+
+        def run():
+            with torch.no_grad():
+                return model(x)
+        return run
+    return factory
+
+
+def _padded_stage(B, T, I, H, layers):
+    def factory():
+        from ..lstm.padded_torch import lstm_weights, padded_lstm
+
+        lstm = _lstm(I, H, layers)
+        weights = lstm_weights(lstm)
+        x = torch.randn(B, T, I, device="cuda")
+
+        def run():
+            with torch.no_grad():
+                return padded_lstm(x, weights)
+        return run
+    return factory
+
+
+def _packed_lengths(B, T):
+    generator = torch.Generator().manual_seed(B)
+    lengths = torch.randint(T // 4, T + 1, (B,), generator=generator)
+    lengths[0] = T
+    return lengths
+
+
+def _cudnn_packed(B, T, I, H, layers):
+    def factory():
+        lstm = _lstm(I, H, layers)
+        padded = torch.randn(B, T, I, device="cuda")
+        seq = torch.nn.utils.rnn.pack_padded_sequence(padded, _packed_lengths(B, T), batch_first=True,
+                                                      enforce_sorted=False)
+
+        def run():
+            with torch.no_grad():
+                return lstm(seq)
+        return run
+    return factory
+
+
+def _persistent_packed(B, T, I, H, layers):
+    def factory():
+        from ..lstm import PersistentLSTM
+        from ..packing import pack
+
+        model = PersistentLSTM.from_torch(_lstm(I, H, layers))
+        packed = pack(torch.randn(B, T, I, device="cuda"), _packed_lengths(B, T).cuda())
+
+        def run():
+            with torch.no_grad():
+                return model(packed)
+        return run
+    return factory
+
+
+def _floor_bytes(B, T, I, H, layers, frames=None):
+    frames = B * T if frames is None else frames
+    weights = sum(4 * H * ((I if layer == 0 else 2 * H) + H + 2) * 2 for layer in range(layers))
+    return 4 * (frames * I + weights + frames * 2 * H + 2 * 2 * layers * B * H)
+
+
+def cases() -> Iterable[Case]:
+    step_ms = handoff_latency_ms()
+    notes = {"handoff_us": step_ms * 1e3}
+    I, H, layers, T = PYANNOTE["I"], PYANNOTE["H"], PYANNOTE["layers"], PYANNOTE["T"]
+    for H_case, batches in ((H, (1, 8, 32, 128)), (256, (32,))):
+        for B in batches:
+            shape = (B, T, I, H_case, layers)
+            providers = {"cudnn": _cudnn(*shape), "triton_persistent": _persistent(*shape)}
+            if H_case == H and B in (1, 32):
+                providers["padded_torch"] = _padded_stage(*shape)
+            yield Case(
+                workload="forward",
+                params=dict(B=B, T=T, I=I, H=H_case, layers=layers),
+                providers=providers,
+                floor_bytes=_floor_bytes(*shape),
+                floor_ms=T * layers * step_ms,
+                notes=notes,
+            )
+    B = 32
+    frames = int(_packed_lengths(B, T).sum())
+    shape = (B, T, I, H, layers)
+    yield Case(
+        workload="packed forward",
+        params=dict(B=B, T=T, I=I, H=H, layers=layers),
+        providers={"cudnn": _cudnn_packed(*shape), "triton_persistent": _persistent_packed(*shape)},
+        floor_bytes=_floor_bytes(*shape, frames=frames),
+        floor_ms=T * layers * step_ms,
+        notes=dict(notes, frames=frames),
+    )

@@ -1,0 +1,130 @@
+"""Benchmark cases of the Sinkhorn chapter: forward, each backward, and both together.
+
+Sizes: 64K, 1M and 4M tokens at n = 4 (the mHC case), then n = 8, 16, 32 at the
+bytes of 4M tokens at n = 4. Providers:
+
+* ``triton``: the package's kernels (``triton_unrolled`` for the unrolled backward
+  in ``fwd+bwd``); ``triton_tile``: the tile kernels where the one-token-per-thread
+  kernels are the default (n = 4, 8), to show what that layout is worth;
+* ``torch_loop``: the padded PyTorch stage, autograd through the 20-iteration loop;
+* ``torch_cg``: the padded PyTorch implicit backward (batched conjugate gradient,
+  ``2n`` steps);
+* ``eps_cg_float32``: plain float32 conjugate gradient on ``[[I, R], [R^T, I]]`` with
+  an epsilon in its denominators, the approach of published kernels (``2n`` steps).
+
+Floor: each input read once and each output written once, in float32.
+"""
+from __future__ import annotations
+
+from typing import Iterable
+
+import torch
+
+from .harness import Case
+
+ITERS = 20
+_SIZES = [(4, 1 << 16), (4, 1 << 20), (4, 1 << 22), (8, 1 << 20), (16, 1 << 18), (32, 1 << 16)]
+
+
+def _inputs(n: int, tokens: int, seed: int):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    logits = torch.randn(tokens, n, n, device="cuda", generator=g)
+    grad = torch.randn(tokens, n, n, device="cuda", generator=g)
+    return logits, grad
+
+
+def _fwd_triton(n, tokens, tile=False):
+    def factory():
+        from ..sinkhorn_ops.triton_kernels import sinkhorn_forward_triton
+
+        logits, _ = _inputs(n, tokens, 0)
+        return lambda: sinkhorn_forward_triton(logits, ITERS, tile=tile)
+    return factory
+
+
+def _fwd_torch(n, tokens):
+    def factory():
+        from ..sinkhorn_ops.padded_torch import sinkhorn_torch
+
+        logits, _ = _inputs(n, tokens, 0)
+        return lambda: sinkhorn_torch(logits, ITERS)
+    return factory
+
+
+def _implicit(provider, n, tokens):
+    def factory():
+        from ..sinkhorn_ops import padded_torch
+        from ..sinkhorn_ops.triton_kernels import sinkhorn_forward_triton, sinkhorn_implicit_backward_triton
+
+        logits, grad = _inputs(n, tokens, 1)
+        R = sinkhorn_forward_triton(logits, ITERS)
+        del logits
+        if provider == "triton":
+            return lambda: sinkhorn_implicit_backward_triton(R, grad)
+        if provider == "triton_tile":
+            return lambda: sinkhorn_implicit_backward_triton(R, grad, tile=True)
+        if provider == "torch_cg":
+            return lambda: padded_torch.implicit_backward_torch(R, grad)
+        return lambda: padded_torch.implicit_backward_eps_cg(R, grad)
+    return factory
+
+
+def _unrolled(provider, n, tokens):
+    def factory():
+        logits, grad = _inputs(n, tokens, 2)
+        if provider in ("triton", "triton_tile"):
+            from ..sinkhorn_ops.triton_kernels import sinkhorn_unrolled_backward_triton
+
+            tile = provider == "triton_tile"
+            return lambda: sinkhorn_unrolled_backward_triton(logits, grad, ITERS, tile=tile)
+        from ..sinkhorn_ops.padded_torch import sinkhorn_torch
+
+        logits.requires_grad_()
+        R = sinkhorn_torch(logits, ITERS)  # the graph (every iterate) is kept for repeated backwards
+        return (lambda: R.backward(grad, retain_graph=True)), [logits]
+    return factory
+
+
+def _fwd_bwd(provider, n, tokens):
+    def factory():
+        from ..sinkhorn_ops import padded_torch
+        from ..sinkhorn_ops.api import sinkhorn
+
+        logits, grad = _inputs(n, tokens, 3)
+        logits.requires_grad_()
+        if provider == "triton":
+            return (lambda: sinkhorn(logits, ITERS).backward(grad)), [logits]
+        if provider == "triton_unrolled":
+            return (lambda: sinkhorn(logits, ITERS, backward="unrolled").backward(grad)), [logits]
+        if provider == "torch_loop":
+            return (lambda: padded_torch.sinkhorn_torch(logits, ITERS).backward(grad)), [logits]
+
+        def torch_cg():
+            with torch.no_grad():
+                R = padded_torch.sinkhorn_torch(logits, ITERS)
+            logits.grad = padded_torch.implicit_backward_torch(R, grad)
+        return torch_cg, [logits]
+    return factory
+
+
+def cases() -> Iterable[Case]:
+    from ..sinkhorn_ops.triton_kernels import SMALL_N
+
+    for n, tokens in _SIZES:
+        # the tile kernels too where the one-token-per-thread kernels take over
+        tile = ("triton_tile",) if n in SMALL_N else ()
+        params = {"n": n, "tokens": tokens}
+        matrix_bytes = tokens * n * n * 4
+        notes = {"iters": ITERS, "bytes_per_token_fwd": 2 * n * n * 4}
+        fwd = {"triton": _fwd_triton(n, tokens), "torch_loop": _fwd_torch(n, tokens)}
+        if tile:
+            fwd["triton_tile"] = _fwd_triton(n, tokens, tile=True)
+        yield Case("fwd", params, fwd, floor_bytes=2 * matrix_bytes, notes=notes)
+        yield Case("bwd_implicit", params,
+                   {p: _implicit(p, n, tokens) for p in ("triton", *tile, "torch_cg", "eps_cg_float32")},
+                   floor_bytes=3 * matrix_bytes, notes=notes)
+        yield Case("bwd_unrolled", params, {p: _unrolled(p, n, tokens) for p in ("triton", *tile, "torch_loop")},
+                   floor_bytes=3 * matrix_bytes, notes=notes)
+        yield Case("fwd+bwd", params,
+                   {p: _fwd_bwd(p, n, tokens) for p in ("triton", "triton_unrolled", "torch_loop", "torch_cg")},
+                   floor_bytes=4 * matrix_bytes, notes=notes)

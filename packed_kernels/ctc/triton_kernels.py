@@ -1,0 +1,453 @@
+"""CTC loss, stage 3: Triton kernels over a packed batch.
+
+Two steps, one after the other:
+
+1. The forward: :func:`ctc_label_groups_kernel`, grid ``(B,)``, sorts each utterance's
+   target ids so that the gradient pass can sum repeated classes in a fixed order; then
+   :func:`ctc_alpha_beta_pairs_kernel`, grid ``(B, 2)``: for each utterance, program
+   ``(b, 0)`` runs the ``alpha`` recursion forward in time while program ``(b, 1)`` runs
+   the ``beta`` recursion backward in time; each stores its state for every frame in a
+   packed ``(T_total, 2U + 1)`` buffer, one row per packed frame, and the ``alpha``
+   program writes the utterance's loss.
+2. The gradient: :func:`ctc_gradient_kernel`, grid ``(cdiv(T_total, ROWS),)``: fully parallel over
+   packed rows. Every packed row belongs to exactly one utterance, so each program
+   writes its own gradient rows once, with no atomics.
+
+:func:`ctc_alpha_beta_kernel` is a variant of the recursion with one lane per state
+instead of one per (blank, label) pair; it computes the same values.
+
+Log-probabilities are read in their own dtype and every sum is done in float32
+(float64 for float64 inputs).
+"""
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+__all__ = [
+    "ctc_alpha_beta_kernel",
+    "ctc_alpha_beta_pairs_kernel",
+    "ctc_gradient_kernel",
+    "ctc_label_groups_kernel",
+]
+
+
+@triton.jit
+def _logaddexp(a, b):
+    m = tl.maximum(a, b)
+    m = tl.where(m == float("-inf"), 0.0, m)
+    return tl.log(tl.exp(a - m) + tl.exp(b - m)) + m
+
+
+@triton.jit
+def _logaddexp3(a, b, c):
+    m = tl.maximum(tl.maximum(a, b), c)
+    # all three -inf (an unreachable state): keep it -inf instead of -inf - -inf = NaN
+    m = tl.where(m == float("-inf"), 0.0, m)
+    return tl.log(tl.exp(a - m) + tl.exp(b - m) + tl.exp(c - m)) + m
+
+
+@triton.jit
+def ctc_alpha_beta_kernel(
+    log_probs_ptr, stride_lp_t, stride_lp_c,
+    cu_seqlens_ptr,
+    targets_ptr, stride_tg_b, stride_tg_u,
+    target_lengths_ptr,
+    state_ptr, stride_direction, stride_state,
+    nll_ptr,
+    T_total, C, U, blank,
+    BLOCK_S: tl.constexpr,
+    SHIFT: tl.constexpr,
+):
+    """Forward (``alpha``) and backward (``beta``) recursions of one utterance; grid ``(B, 2)``.
+
+    Program ``(b, 0)`` computes, for the frames ``t`` of utterance ``b`` and the states
+    ``s < 2L + 1`` of its extended label sequence ``l'`` (blank at even ``s``)::
+
+        alpha_0(s) = lp[0, l'_s]                                   (s < 2)
+        alpha_t(s) = lp[t, l'_s] + logsumexp(alpha_{t-1}(s), alpha_{t-1}(s-1),
+                                             alpha_{t-1}(s-2) if s > 1 and l'_{s-2} != l'_s)
+        nll        = -logsumexp(alpha_{T-1}(2L), alpha_{T-1}(2L-1))
+
+    (``nll = 0`` for an utterance with no frames and an empty target, ``inf`` with no
+    frames and a non-empty target.) Program ``(b, 1)`` computes ``beta``, which is the
+    same recursion run backward in time over the *reversed* extended label sequence:
+    lane ``r`` holds state ``s = 2L - r``, so "the state before" is ``s + 1`` and the skip
+    test compares ``l'_{s+2}`` with ``l'_s``. One code path serves both directions.
+
+    Each step's dependent chain is: shift the previous state by one and two lanes,
+    a three-term logsumexp, add the emission. The emissions ``lp[t, l'_s]`` do not depend
+    on the recursion; they are loaded two frames ahead so that their memory latency
+    overlaps the recursion instead of lengthening it. The shift is done either in
+    registers (``tl.gather``) or by reading the previous frame's row back from the state
+    buffer it was just stored to (after a barrier, so every lane's store is visible).
+    """
+    b = tl.program_id(0)
+    direction = tl.program_id(1)
+    backward = direction == 1
+    NEG_INF: tl.constexpr = float("-inf")
+    # Clamps keep every access in bounds even for inputs that could not be validated
+    # (while tracing or capturing); valid inputs pass through unchanged.
+    start = tl.minimum(tl.maximum(tl.load(cu_seqlens_ptr + b).to(tl.int32), 0), T_total)
+    end = tl.minimum(tl.maximum(tl.load(cu_seqlens_ptr + b + 1).to(tl.int32), start), T_total)
+    n_frames = end - start
+    L = tl.minimum(tl.maximum(tl.load(target_lengths_ptr + b).to(tl.int32), 0), U)
+    n_states = 2 * L + 1
+
+    lane = tl.arange(0, BLOCK_S)
+    active = lane < n_states
+    state_index = tl.where(backward, 2 * L - lane, lane)  # s held by this lane
+    state_index = tl.where(active, state_index, 0)
+    target_row = targets_ptr + b.to(tl.int64) * stride_tg_b
+
+    is_label = (state_index % 2) == 1
+    label = tl.load(target_row + ((state_index - 1) // 2) * stride_tg_u, mask=active & is_label, other=blank)
+    label = tl.minimum(tl.maximum(label.to(tl.int32), 0), C - 1)
+    label = tl.where(is_label, label, blank)
+    # the state two lanes back in recursion order: s - 2 forward, s + 2 backward
+    state_back2 = tl.where(backward, state_index + 2, state_index - 2)
+    back2_is_label = (state_back2 & 1) == 1
+    back2_ok = active & (lane >= 2) & back2_is_label
+    label_back2 = tl.load(target_row + ((state_back2 - 1) // 2) * stride_tg_u, mask=back2_ok, other=blank)
+    label_back2 = tl.minimum(tl.maximum(label_back2.to(tl.int32), 0), C - 1)
+    label_back2 = tl.where(back2_is_label, label_back2, blank)
+    can_skip = active & (lane >= 2) & (label_back2 != label)
+
+    state_ptr += direction.to(tl.int64) * stride_direction
+    label_offset = label.to(tl.int64) * stride_lp_c
+    # frame t of the recursion is packed row start + t (alpha) or end - 1 - t (beta)
+    first_row = tl.where(backward, end - 1, start).to(tl.int64)
+    row_step = tl.where(backward, -1, 1).to(tl.int64)
+
+    has_frames = n_frames > 0
+    # (a scalar condition joins a lane mask through tl.where: the interpreter rejects
+    # the broadcast view that `lanes & scalar` gives as a load or store mask)
+    emit = tl.load(log_probs_ptr + first_row * stride_lp_t + label_offset,
+                   mask=tl.where(has_frames, active, False), other=NEG_INF).to(state_ptr.dtype.element_ty)
+    state = tl.where(active & (lane < 2), emit, NEG_INF)
+    tl.store(state_ptr + first_row * stride_state + state_index, state, mask=tl.where(has_frames, active, False))
+
+    # prefetch the emissions of the next two frames
+    row_1 = first_row + row_step
+    emit_next = tl.load(log_probs_ptr + row_1 * stride_lp_t + label_offset,
+                        mask=tl.where(n_frames > 1, active, False), other=NEG_INF).to(state_ptr.dtype.element_ty)
+    row_2 = row_1 + row_step
+    emit_after = tl.load(log_probs_ptr + row_2 * stride_lp_t + label_offset,
+                         mask=tl.where(n_frames > 2, active, False), other=NEG_INF).to(state_ptr.dtype.element_ty)
+
+    previous_row = first_row
+    for t in range(1, n_frames):
+        row = previous_row + row_step
+        emit = emit_next
+        emit_next = emit_after
+        ahead = row + 2 * row_step
+        emit_after = tl.load(log_probs_ptr + ahead * stride_lp_t + label_offset,
+                             mask=tl.where(t + 2 < n_frames, active, False), other=NEG_INF).to(state_ptr.dtype.element_ty)
+        if SHIFT == 1:
+            back1 = tl.gather(state, tl.maximum(lane - 1, 0), 0)
+            back2 = tl.gather(state, tl.maximum(lane - 2, 0), 0)
+        elif SHIFT == 2:
+            # both shifts through one gather of a (BLOCK_S, 2) tensor
+            both = tl.gather(tl.join(state, state), tl.join(tl.maximum(lane - 1, 0), tl.maximum(lane - 2, 0)), 0)
+            back1, back2 = tl.split(both)
+        else:
+            # The previous frame's row was stored by other threads of this program.
+            tl.debug_barrier()
+            previous = state_ptr + previous_row * stride_state
+            state_back1 = tl.where(backward, state_index + 1, state_index - 1)
+            back1 = tl.load(previous + state_back1, mask=active & (lane >= 1), other=NEG_INF)
+            back2 = tl.load(previous + state_back2, mask=can_skip, other=NEG_INF)
+        back1 = tl.where(lane >= 1, back1, NEG_INF)
+        back2 = tl.where(can_skip, back2, NEG_INF)
+        state = _logaddexp3(state, back1, back2) + emit
+        state = tl.where(active, state, NEG_INF)
+        tl.store(state_ptr + row * stride_state + state_index, state, mask=active)
+        previous_row = row
+
+    if direction == 0:
+        # The loss needs the last frame's two final states: lanes 2L and 2L - 1.
+        final_blank = tl.max(tl.where(lane == 2 * L, state, NEG_INF), axis=0)
+        final_label = tl.max(tl.where((lane == 2 * L - 1) & (L > 0), state, NEG_INF), axis=0)
+        nll = -_logaddexp(final_blank, final_label)
+        no_frames_nll = tl.where(L == 0, 0.0, float("inf")).to(nll.dtype)
+        nll = tl.where(has_frames, nll, no_frames_nll)
+        tl.store(nll_ptr + b, nll)
+
+
+@triton.jit
+def ctc_alpha_beta_pairs_kernel(
+    log_probs_ptr, stride_lp_t, stride_lp_c,
+    cu_seqlens_ptr,
+    targets_ptr, stride_tg_b, stride_tg_u,
+    target_lengths_ptr,
+    state_ptr, stride_direction, stride_state,
+    nll_ptr,
+    T_total, C, U, blank,
+    BLOCK_U: tl.constexpr,
+):
+    """The same recursions as :func:`ctc_alpha_beta_kernel`, on (blank, label) pairs; grid ``(B, 2)``.
+
+    The states alternate blank, label, blank, ...: lane ``k`` holds the blank state
+    ``e_k`` (``s = 2k``) and the label state ``o_k`` (``s = 2k + 1``, label ``l_{k+1}``)::
+
+        e_k <- lp[t, blank]  + logsumexp(e_k, o_{k-1})
+        o_k <- lp[t, l_{k+1}] + logsumexp(o_k, e_k, o_{k-1} if l_{k+1} != l_k)
+
+    Only ``o`` has to move between lanes, by one: one ``tl.gather`` per step on half as
+    many lanes, instead of shifting all ``2L + 1`` states by one and by two. The blank's
+    emission is one number per frame. ``beta`` runs the same code over reversed time and
+    the reversed target (lane ``k`` then holds ``s = 2L - 2k`` and ``s = 2L - 2k - 1``).
+    """
+    b = tl.program_id(0)
+    direction = tl.program_id(1)
+    backward = direction == 1
+    NEG_INF: tl.constexpr = float("-inf")
+    start = tl.minimum(tl.maximum(tl.load(cu_seqlens_ptr + b).to(tl.int32), 0), T_total)
+    end = tl.minimum(tl.maximum(tl.load(cu_seqlens_ptr + b + 1).to(tl.int32), start), T_total)
+    n_frames = end - start
+    L = tl.minimum(tl.maximum(tl.load(target_lengths_ptr + b).to(tl.int32), 0), U)
+
+    k = tl.arange(0, BLOCK_U)
+    blank_lane = k <= L
+    label_lane = k < L
+    target_row = targets_ptr + b.to(tl.int64) * stride_tg_b
+    position = tl.where(backward, L - 1 - k, k)  # target index of o_k
+    label = tl.load(target_row + position * stride_tg_u, mask=label_lane, other=blank)
+    label = tl.minimum(tl.maximum(label.to(tl.int32), 0), C - 1)
+    before = tl.where(backward, L - k, k - 1)  # target index of o_{k-1}
+    label_before = tl.load(target_row + before * stride_tg_u, mask=label_lane & (k >= 1), other=blank)
+    label_before = tl.minimum(tl.maximum(label_before.to(tl.int32), 0), C - 1)
+    can_skip = label_lane & (k >= 1) & (label != label_before)
+    blank_column = tl.where(backward, 2 * L - 2 * k, 2 * k)
+    label_column = tl.where(backward, 2 * L - 2 * k - 1, 2 * k + 1)
+    blank_column = tl.where(blank_lane, blank_column, 0)
+    label_column = tl.where(label_lane, label_column, 0)
+
+    state_ptr += direction.to(tl.int64) * stride_direction
+    dtype = state_ptr.dtype.element_ty
+    label_offset = label.to(tl.int64) * stride_lp_c
+    blank_offset = blank * stride_lp_c
+    first_row = tl.where(backward, end - 1, start).to(tl.int64)
+    row_step = tl.where(backward, -1, 1).to(tl.int64)
+    has_frames = n_frames > 0
+    # (scalar conditions join lane masks through tl.where; see ctc_alpha_beta_kernel)
+    blank_emit = tl.load(log_probs_ptr + first_row * stride_lp_t + blank_offset, mask=has_frames,
+                         other=NEG_INF).to(dtype)
+    label_emit = tl.load(log_probs_ptr + first_row * stride_lp_t + label_offset,
+                         mask=tl.where(has_frames, label_lane, False), other=NEG_INF).to(dtype)
+    blank_state = tl.where(k == 0, blank_emit, NEG_INF)
+    label_state = tl.where((k == 0) & label_lane, label_emit, NEG_INF)
+    out = state_ptr + first_row * stride_state
+    tl.store(out + blank_column, blank_state, mask=tl.where(has_frames, blank_lane, False))
+    tl.store(out + label_column, label_state, mask=tl.where(has_frames, label_lane, False))
+
+    # prefetch the emissions of the next two frames
+    row_1 = first_row + row_step
+    row_2 = row_1 + row_step
+    blank_next = tl.load(log_probs_ptr + row_1 * stride_lp_t + blank_offset, mask=n_frames > 1,
+                         other=NEG_INF).to(dtype)
+    label_next = tl.load(log_probs_ptr + row_1 * stride_lp_t + label_offset,
+                         mask=tl.where(n_frames > 1, label_lane, False), other=NEG_INF).to(dtype)
+    blank_after = tl.load(log_probs_ptr + row_2 * stride_lp_t + blank_offset, mask=n_frames > 2,
+                          other=NEG_INF).to(dtype)
+    label_after = tl.load(log_probs_ptr + row_2 * stride_lp_t + label_offset,
+                          mask=tl.where(n_frames > 2, label_lane, False), other=NEG_INF).to(dtype)
+
+    row = first_row
+    for t in range(1, n_frames):
+        row += row_step
+        blank_emit = blank_next
+        label_emit = label_next
+        blank_next = blank_after
+        label_next = label_after
+        ahead = row + 2 * row_step
+        blank_after = tl.load(log_probs_ptr + ahead * stride_lp_t + blank_offset, mask=t + 2 < n_frames,
+                              other=NEG_INF).to(dtype)
+        label_after = tl.load(log_probs_ptr + ahead * stride_lp_t + label_offset,
+                              mask=tl.where(t + 2 < n_frames, label_lane, False), other=NEG_INF).to(dtype)
+        label_before_state = tl.gather(label_state, tl.maximum(k - 1, 0), 0)
+        label_before_state = tl.where(k >= 1, label_before_state, NEG_INF)
+        new_blank = _logaddexp(blank_state, label_before_state) + blank_emit
+        new_label = _logaddexp3(label_state, blank_state, tl.where(can_skip, label_before_state, NEG_INF)) + label_emit
+        blank_state = tl.where(blank_lane, new_blank, NEG_INF)
+        label_state = tl.where(label_lane, new_label, NEG_INF)
+        out = state_ptr + row * stride_state
+        tl.store(out + blank_column, blank_state, mask=blank_lane)
+        tl.store(out + label_column, label_state, mask=label_lane)
+
+    if direction == 0:
+        final_blank = tl.max(tl.where(k == L, blank_state, NEG_INF), axis=0)
+        final_label = tl.max(tl.where(k == L - 1, label_state, NEG_INF), axis=0)
+        nll = -_logaddexp(final_blank, final_label)
+        no_frames_nll = tl.where(L == 0, 0.0, float("inf")).to(nll.dtype)
+        nll = tl.where(has_frames, nll, no_frames_nll)
+        tl.store(nll_ptr + b, nll)
+
+
+@triton.jit
+def ctc_gradient_kernel(
+    log_probs_ptr, stride_lp_t, stride_lp_c,
+    grad_ptr, stride_grad_t,
+    cu_seqlens_ptr, target_lengths_ptr,
+    nll_ptr, grad_loss_ptr, stride_grad_loss,
+    alpha_ptr, beta_ptr, stride_state,
+    group_labels_ptr, group_slots_ptr, group_starts_ptr, stride_groups,
+    B, T_total, C, U, blank,
+    ZERO_INFINITY: tl.constexpr,
+    REDUCTION: tl.constexpr,
+    ROWS: tl.constexpr,
+    BLOCK_B: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+):
+    """Gradient of the per-utterance losses for ``ROWS`` packed frames; grid ``(cdiv(T_total, ROWS),)``.
+
+    For frame ``t`` of utterance ``b``, with ``g`` the gradient of the loss with respect
+    to ``nll_b`` (``grad_loss[b]`` for ``REDUCTION = 0``, none; ``grad_loss`` for 1, sum;
+    ``grad_loss / (B max(L_b, 1))`` for 2, mean), PyTorch's convention
+    (the derivative as if through a log-softmax) is::
+
+        grad[t, c] = exp(lp[t, c]) * g - exp(gamma_t(c) + nll_b - lp[t, c]) * g,
+        gamma_t(c) = log sum_{s: l'_s = c} exp(alpha_t(s) + beta_t(s)).
+
+    The subtracted term is the *occupancy* of class ``c`` at frame ``t``: the posterior
+    probability that the alignment emits ``c`` there,
+    ``o_t(c) = sum_{s: l'_s = c} o_t(s)`` with ``o_t(s) = exp(alpha_t(s) + beta_t(s) - lp[t, l'_s] + nll)``
+    (``beta`` includes frame ``t``'s emission, so it is taken out once). Each ``o_t(s)``
+    lies in ``[0, 1]`` and they sum to 1 over ``s``, so they are summed in linear space
+    with an absolute error of about one float32 rounding; no log-sum-exp is needed.
+
+    The row is first written for every class as ``exp(lp) g - exp(-inf + nll - lp) g``:
+    that is ``exp(lp) g`` for the classes outside the target, and NaN where PyTorch
+    gives NaN (an impossible utterance, ``nll = inf``, or a class with ``lp = -inf``).
+    Then the target classes and the blank are overwritten with ``o_t(c)`` subtracted.
+
+    A class may occur several times in a target (``"hello"``) and the blank fills every
+    even state. :func:`ctc_label_groups_kernel` has sorted each utterance's label slots
+    by class, with one extra slot standing for all the blank states, and given each
+    sorted slot the index where its run of equal classes starts. A prefix sum over the sorted slots then gives each
+    class's total at the last slot of its run (prefix there minus prefix before the run),
+    and only that slot writes the class's column: no atomics, and the order of every
+    sum is fixed, so the gradient is bitwise the same on every run. With
+    ``ZERO_INFINITY`` an utterance whose loss is infinite gets a zero gradient.
+    """
+    NEG_INF: tl.constexpr = float("-inf")
+    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    row_ok = rows < T_total
+    # the utterance owning each row: the number of utterances that end at or before it
+    owner = tl.zeros((ROWS,), dtype=tl.int32)
+    for first in range(0, B, BLOCK_B):
+        ids = first + tl.arange(0, BLOCK_B)
+        ends = tl.load(cu_seqlens_ptr + 1 + ids, mask=ids < B, other=0).to(tl.int32)
+        ended = (ends[None, :] <= rows[:, None]) & (ids < B)[None, :]
+        owner += tl.sum(ended.to(tl.int32), axis=1)
+    owner = tl.minimum(owner, B - 1)
+    L = tl.minimum(tl.maximum(tl.load(target_lengths_ptr + owner).to(tl.int32), 0), U)
+    nll = tl.load(nll_ptr + owner)
+    g = tl.load(grad_loss_ptr + owner * stride_grad_loss).to(nll.dtype)
+    if REDUCTION == 2:
+        g = g / B / tl.maximum(L, 1).to(nll.dtype)
+
+    rows64 = rows.to(tl.int64)
+    lp_rows = log_probs_ptr + rows64 * stride_lp_t
+    grad_rows = grad_ptr + rows64 * stride_grad_t
+    alpha_rows = alpha_ptr + rows64 * stride_state
+    beta_rows = beta_ptr + rows64 * stride_state
+
+    # Pass 1: the whole vocabulary, as if no class were in the target.
+    for first in range(0, C, BLOCK_C):
+        cols = first + tl.arange(0, BLOCK_C)
+        inside = row_ok[:, None] & (cols < C)[None, :]
+        lp = tl.load(lp_rows[:, None] + cols[None, :] * stride_lp_c, mask=inside, other=0.0).to(nll.dtype)
+        value = tl.exp(lp) * g[:, None] - tl.exp(NEG_INF + nll[:, None] - lp) * g[:, None]
+        if ZERO_INFINITY:
+            value = tl.where((nll == float("inf"))[:, None], 0.0, value)
+        tl.store(grad_rows[:, None] + cols[None, :], value.to(grad_ptr.dtype.element_ty), mask=inside)
+
+    # Pass 2: the target classes and the blank.
+    k = tl.arange(0, BLOCK_K)
+    lp_blank = tl.load(lp_rows + blank * stride_lp_c, mask=row_ok, other=0.0).to(nll.dtype)
+    blank_ok = row_ok[:, None] & (k[None, :] <= L[:, None])
+    blank_gamma = (tl.load(alpha_rows[:, None] + 2 * k[None, :], mask=blank_ok, other=NEG_INF)
+                   + tl.load(beta_rows[:, None] + 2 * k[None, :], mask=blank_ok, other=NEG_INF))
+    blank_occupancy = tl.where(blank_gamma == NEG_INF, 0.0,
+                               tl.exp(blank_gamma - lp_blank[:, None] + nll[:, None]))
+    blank_total = tl.sum(blank_occupancy, axis=1)
+
+    groups = owner.to(tl.int64)[:, None] * stride_groups + k[None, :]
+    in_list = row_ok[:, None] & (k < U + 1)[None, :]
+    label = tl.load(group_labels_ptr + groups, mask=in_list, other=C)
+    slot = tl.load(group_slots_ptr + groups, mask=in_list, other=U)
+    run_start = tl.load(group_starts_ptr + groups, mask=in_list, other=0)
+    label_after = tl.load(group_labels_ptr + groups + 1, mask=row_ok[:, None] & (k + 1 < U + 1)[None, :],
+                          other=-1)
+    used = in_list & (label < C) & (label >= 0)
+    column = tl.where(used, label, 0)
+    lp = tl.load(lp_rows[:, None] + column * stride_lp_c, mask=used, other=0.0).to(nll.dtype)
+    is_blank_slot = slot >= U
+    slot_ok = used & (~is_blank_slot) & (slot < L[:, None])
+    label_state = 2 * tl.where(slot_ok, slot, 0) + 1
+    slot_gamma = (tl.load(alpha_rows[:, None] + label_state, mask=slot_ok, other=NEG_INF)
+                  + tl.load(beta_rows[:, None] + label_state, mask=slot_ok, other=NEG_INF))
+    occupancy = tl.where(slot_gamma == NEG_INF, 0.0, tl.exp(slot_gamma - lp + nll[:, None]))
+    occupancy = tl.where(is_blank_slot, blank_total[:, None], occupancy)
+    prefix = tl.cumsum(occupancy, axis=1)
+    before_run = tl.gather(prefix, tl.maximum(run_start - 1, 0), 1)
+    total = prefix - tl.where(run_start > 0, before_run, 0.0)
+    writes = used & (label != label_after)
+    # the last term is 0, or NaN exactly where pass 1 wrote NaN
+    value = (tl.exp(lp) * g[:, None] - total * g[:, None]
+             - tl.exp(NEG_INF + nll[:, None] - lp) * g[:, None])
+    if ZERO_INFINITY:
+        value = tl.where((nll == float("inf"))[:, None], 0.0, value)
+    # Pass 1's stores to these columns, from other threads, must land first.
+    tl.debug_barrier()
+    tl.store(grad_rows[:, None] + column, value.to(grad_ptr.dtype.element_ty), mask=writes)
+
+
+@triton.jit
+def ctc_label_groups_kernel(
+    targets_ptr, stride_tg_b, stride_tg_u,
+    target_lengths_ptr,
+    labels_ptr, slots_ptr, run_starts_ptr, stride_groups,
+    C, U, blank,
+    BLOCK_K: tl.constexpr,
+    BLOCK_J: tl.constexpr,
+):
+    """Sort one utterance's label slots by class, for the gradient pass; grid ``(B,)``.
+
+    The list has ``U + 1`` slots: slot ``k < L`` holds target id ``l_{k+1}``, slots
+    ``L <= k < U`` are unused (key ``C``, so they sort last) and slot ``U`` stands for all
+    the blank states (key ``blank``). A counting sort places slot ``k`` at::
+
+        rank(k)  = #{j : key_j < key_k} + #{j < k : key_j = key_k}      (stable)
+        start(k) = #{j : key_j < key_k}                                   (its run's first rank)
+
+    and writes ``labels[rank] = key``, ``slots[rank] = k``, ``run_starts[rank] = start``.
+    The comparisons are done ``BLOCK_J`` slots at a time against all ``BLOCK_K``.
+    """
+    b = tl.program_id(0)
+    L = tl.minimum(tl.maximum(tl.load(target_lengths_ptr + b).to(tl.int32), 0), U)
+    target_row = targets_ptr + b.to(tl.int64) * stride_tg_b
+    k = tl.arange(0, BLOCK_K)
+    in_list = k < U + 1
+    key = tl.load(target_row + k * stride_tg_u, mask=k < L, other=0).to(tl.int32)
+    key = tl.minimum(tl.maximum(key, 0), C - 1)
+    key = tl.where(k < L, key, tl.where(k == U, blank, C))
+    smaller = tl.zeros((BLOCK_K,), dtype=tl.int32)
+    equal_before = tl.zeros((BLOCK_K,), dtype=tl.int32)
+    for first in range(0, U + 1, BLOCK_J):
+        j = first + tl.arange(0, BLOCK_J)
+        other = tl.load(target_row + j * stride_tg_u, mask=j < L, other=0).to(tl.int32)
+        other = tl.minimum(tl.maximum(other, 0), C - 1)
+        other = tl.where(j < L, other, tl.where(j == U, blank, C))
+        counted = (j < U + 1)[None, :]
+        smaller += tl.sum(((other[None, :] < key[:, None]) & counted).to(tl.int32), axis=1)
+        earlier_equal = (other[None, :] == key[:, None]) & (j[None, :] < k[:, None]) & counted
+        equal_before += tl.sum(earlier_equal.to(tl.int32), axis=1)
+    rank = tl.where(in_list, smaller + equal_before, 0)
+    out = b.to(tl.int64) * stride_groups + rank
+    tl.store(labels_ptr + out, key, mask=in_list)
+    tl.store(slots_ptr + out, k, mask=in_list)
+    tl.store(run_starts_ptr + out, smaller, mask=in_list)
+

@@ -1,0 +1,422 @@
+"""The Triton stage: one persistent launch runs a layer's whole recurrence.
+
+For one layer, both directions, the work splits in two:
+
+1. The input projection of every frame, ``X W_ih^T + b_ih + b_hh``, has no
+   dependency between frames: it is one matrix product for the whole layer (both
+   directions side by side in its columns), done by cuBLAS through ``torch``.
+2. The recurrence ``z_t = xw_t + W_hh h_{t-1}`` is sequential. Launching a kernel
+   per step costs more than the step's work (a ``(B, H) x (H, 4H)`` product), so
+   :func:`_lstm_recurrence_kernel` is launched once and loops over time itself.
+
+The grid is ``(K, batch tiles, directions)``. The ``K`` programs of one (direction,
+batch tile) cooperate on one recurrence: program ``k`` owns hidden units
+``[k U, (k + 1) U)`` with ``U = BLOCK_H / K`` and the matching rows of the four
+gates of ``W_hh``, a ``4U x H`` slice loaded on chip once (into registers; into
+shared memory for the tensor-core product) and used at every step. Each step a
+program reads the whole ``h_{t-1}`` of its batch tile from a small exchange buffer
+in global memory (it stays in L2), computes its ``U`` units of ``h_t`` and ``c_t``
+(``c`` never leaves the program), writes its slice of ``h_t`` back and waits until
+the other ``K - 1`` programs have written theirs.
+
+The wait is a step counter per (direction, tile): after a CTA barrier (every
+thread's store issued and ordered), one release ``atomic_add`` per program; then
+acquire loads of the counter until it reaches ``K (s + 1)``, after which the new
+``h`` is read from L2 (``.cg``, never a stale L1 line). This is the pattern of a
+cooperative grid barrier, restricted to the ``K`` programs that share data. The
+exchange buffer is double buffered by step parity, so a fast program never
+overwrites values a slow one still reads.
+
+The wait needs every cooperating program resident at once (a program waiting for one
+that never gets an SM would wait forever): the wrapper keeps each launch within the
+SM count, one program per SM, and runs a batch too large for that as several
+launches. Other work running at the same time only delays the start of some
+programs (the others wait for them); two cooperative launches on different streams
+could each hold SMs the other needs, so run recurrences from one stream.
+
+``K = 1`` (``SYNC = 0``) has no cross-program wait at all: one program per
+(direction, tile) computes all units, reading ``W_hh`` from memory each step. This
+is the configuration Triton's interpreter runs on the CPU, where the programs of a
+grid run one after another and a spin-wait would never end (and the GPU's, for
+hidden sizes of 32 or less at batches larger than one cooperative launch holds).
+
+There is no backward kernel: this is an inference path, and the module falls back
+to the differentiable padded PyTorch stage when a gradient is needed.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from .. import runtime
+
+__all__ = ["MAX_HIDDEN", "RecurrenceConfig", "choose_config", "lstm_recurrence"]
+
+#: The largest hidden size whose recurrent weights the kernels keep on chip.
+MAX_HIDDEN = 512
+
+
+@triton.jit
+def _sigmoid(z):
+    return 1.0 / (1.0 + tl.exp(-z))
+
+
+@triton.jit
+def _tanh(z):
+    # 1 - 2 / (e^{2z} + 1): exact limits +-1 when e^{2z} overflows or underflows.
+    return 1.0 - 2.0 / (tl.exp(2.0 * z) + 1.0)
+
+
+@triton.jit
+def _gate_matvec(h, w, MATVEC: tl.constexpr):
+    """``h W^T`` for one gate: ``h`` is ``(BLOCK_B, BLOCK_H)``; the result ``(BLOCK_B, U)``.
+
+    ``MATVEC`` picks how (the layout of ``w`` follows, see :func:`_load_gate_weight`):
+
+    * 0: ``w`` is ``(U, BLOCK_H)``; a broadcast multiply summed over its contiguous
+      last axis (Triton spreads that axis over the lanes of a warp: many shuffles).
+    * 1: ``w`` is ``(BLOCK_H, U)``; ``tl.dot`` on CUDA cores in IEEE float32.
+    * 2: ``w`` is ``(BLOCK_H, U)``, read from a transposed copy so that the units are
+      contiguous; a broadcast multiply summed over axis 1, which Triton keeps mostly
+      inside each thread. Only for ``BLOCK_B < 16``: from 16 rows on, Triton rewrites
+      this pattern into a dot with TF32 inputs.
+    * 3: as 1, on tensor cores with three TF32 products per product
+      (``tf32x3``: the high and low parts of both factors), float32 accuracy.
+    """
+    if MATVEC == 3:
+        return tl.dot(h, w, input_precision="tf32x3")
+    elif MATVEC == 1:
+        return tl.dot(h, w, input_precision="ieee")
+    elif MATVEC == 2:
+        return tl.sum(h[:, :, None] * w[None, :, :], axis=1)
+    else:
+        return tl.sum(h[:, None, :] * w[None, :, :], axis=2)
+
+
+@triton.jit
+def _load_gate_weight(w_hh_ptr, d, gate, H, units, cols, mask_units, mask_cols, MATVEC: tl.constexpr):
+    rows = (d * 4 + gate) * H + units  # rows of W_hh for direction d, this gate, these units
+    if MATVEC == 2:
+        # w_hh_ptr holds W_hh transposed per gate, (D, 4, H, H) indexed [d, gate, col, unit].
+        ptrs = w_hh_ptr + ((d * 4 + gate) * H + cols[:, None]).to(tl.int64) * H + units[None, :]
+        return tl.load(ptrs, mask=mask_units[None, :] & mask_cols[:, None], other=0.0)
+    elif MATVEC == 0:
+        ptrs = w_hh_ptr + rows[:, None].to(tl.int64) * H + cols[None, :]
+        return tl.load(ptrs, mask=mask_units[:, None] & mask_cols[None, :], other=0.0)
+    else:
+        ptrs = w_hh_ptr + rows[None, :].to(tl.int64) * H + cols[:, None]
+        return tl.load(ptrs, mask=mask_units[None, :] & mask_cols[:, None], other=0.0)
+
+
+@triton.jit
+def _load_step_inputs(xw_ptr, row_start, lengths, s, d, H, units, mask_units, row_step,
+                      NUM_DIRECTIONS: tl.constexpr):
+    """The projected inputs of step ``s`` for each row of the tile, four ``(BLOCK_B, U)`` gates.
+
+    Step ``s`` of the forward direction reads frame ``s``; of the reverse direction
+    frame ``length - 1 - s``, so each sequence runs backwards from its own last frame.
+    Rows whose sequence has ended (``s >= length``) read nothing.
+    """
+    active = s < lengths
+    t = tl.where(d == 0, s, lengths - 1 - s)
+    row = row_start + t.to(tl.int64) * row_step
+    base = xw_ptr + row[:, None] * (NUM_DIRECTIONS * 4 * H) + d * 4 * H + units[None, :]
+    mask = active[:, None] & mask_units[None, :]
+    x_i = tl.load(base, mask=mask, other=0.0)
+    x_f = tl.load(base + H, mask=mask, other=0.0)
+    x_g = tl.load(base + 2 * H, mask=mask, other=0.0)
+    x_o = tl.load(base + 3 * H, mask=mask, other=0.0)
+    return x_i, x_f, x_g, x_o
+
+
+@triton.jit
+def _lstm_recurrence_kernel(
+    xw_ptr, w_hh_ptr, out_ptr, exchange_ptr, h0_ptr, c0_ptr, hn_ptr, cn_ptr,
+    row_start_ptr, lengths_ptr, counter_ptr,
+    B, H, row_step, n_tiles,
+    NUM_DIRECTIONS: tl.constexpr, K: tl.constexpr, BLOCK_B: tl.constexpr,
+    BLOCK_H: tl.constexpr, UNITS: tl.constexpr, MATVEC: tl.constexpr, SYNC: tl.constexpr,
+    PREFETCH: tl.constexpr,
+):
+    """The recurrence of one LSTM layer, all directions, in one launch.
+
+    For each sequence ``b`` and step ``s < length_b`` (frame ``t = s`` forward,
+    ``t = length_b - 1 - s`` in reverse), with ``xw`` the projected input row of
+    frame ``t`` (biases included)::
+
+        z = xw[t] + W_hh h                                 (4H,)
+        i, f, g, o = sigmoid(z_i), sigmoid(z_f), tanh(z_g), sigmoid(z_o)
+        c = f * c + i * g;   h = o * tanh(c);   out[t] = h
+
+    A sequence's ``h`` and ``c`` stop changing after its last frame, so the state
+    left at the end is its final state ``(h_n, c_n)``. Forward only (no gradient).
+
+    Layouts (float32, contiguous): ``xw`` ``(N, D * 4H)``, ``W_hh`` ``(D, 4H, H)``,
+    ``out`` ``(N, D * H)``, ``h0``/``c0``/``hn``/``cn`` ``(D, B, H)``; frame ``t`` of
+    sequence ``b`` is row ``row_start[b] + t * row_step``. ``exchange`` is ``(2, D, B,
+    H)`` float32, slot 0 holding ``h0``; ``counter`` ``(D, n_tiles)`` int32 zeros
+    (``SYNC`` 1: the step counter of each direction and tile). Program ``(k, tile,
+    d)`` owns units ``[k UNITS, (k + 1) UNITS)`` of rows ``[tile BLOCK_B, (tile
+    + 1) BLOCK_B)`` in direction ``d``.
+    """
+    k = tl.program_id(0)
+    tile = tl.program_id(1)
+    d = tl.program_id(2)
+
+    rows = tile * BLOCK_B + tl.arange(0, BLOCK_B)
+    mask_rows = rows < B
+    units = k * UNITS + tl.arange(0, UNITS)
+    mask_units = units < H
+    cols = tl.arange(0, BLOCK_H)
+    mask_cols = cols < H
+    lengths = tl.load(lengths_ptr + rows, mask=mask_rows, other=0)
+    row_start = tl.load(row_start_ptr + rows, mask=mask_rows, other=0).to(tl.int64)
+    n_steps = tl.max(lengths, axis=0)  # the tile runs until its longest sequence ends
+
+    if K > 1:
+        # Held in registers for every step: this program's 4 x UNITS rows of W_hh.
+        w_i = _load_gate_weight(w_hh_ptr, d, 0, H, units, cols, mask_units, mask_cols, MATVEC)
+        w_f = _load_gate_weight(w_hh_ptr, d, 1, H, units, cols, mask_units, mask_cols, MATVEC)
+        w_g = _load_gate_weight(w_hh_ptr, d, 2, H, units, cols, mask_units, mask_cols, MATVEC)
+        w_o = _load_gate_weight(w_hh_ptr, d, 3, H, units, cols, mask_units, mask_cols, MATVEC)
+
+    own = (d * B + rows)[:, None].to(tl.int64) * H + units[None, :]  # (BLOCK_B, UNITS) in (D, B, H)
+    mask_own = mask_rows[:, None] & mask_units[None, :]
+    h_own = tl.load(h0_ptr + own, mask=mask_own, other=0.0)
+    c = tl.load(c0_ptr + own, mask=mask_own, other=0.0)
+    full = (d * B + rows)[:, None].to(tl.int64) * H + cols[None, :]  # (BLOCK_B, BLOCK_H)
+    mask_full = mask_rows[:, None] & mask_cols[None, :]
+    slot_size = NUM_DIRECTIONS * B * H
+    counter = counter_ptr + d * n_tiles + tile
+
+    x_i, x_f, x_g, x_o = _load_step_inputs(xw_ptr, row_start, lengths, 0, d, H, units, mask_units,
+                                           row_step, NUM_DIRECTIONS)
+    if PREFETCH == 2:
+        y_i, y_f, y_g, y_o = _load_step_inputs(xw_ptr, row_start, lengths, 1, d, H, units, mask_units,
+                                               row_step, NUM_DIRECTIONS)
+    for s in range(0, n_steps):
+        # h_{s-1} of the whole tile, as written by all K programs. .cg reads L2, never a
+        # stale L1 line from an earlier step.
+        h = tl.load(exchange_ptr + (s % 2) * slot_size + full, mask=mask_full, other=0.0, cache_modifier=".cg")
+        if K == 1:
+            # Nothing is held across steps: the whole W_hh is re-read (from cache) each step.
+            w_i = _load_gate_weight(w_hh_ptr, d, 0, H, units, cols, mask_units, mask_cols, MATVEC)
+            w_f = _load_gate_weight(w_hh_ptr, d, 1, H, units, cols, mask_units, mask_cols, MATVEC)
+            w_g = _load_gate_weight(w_hh_ptr, d, 2, H, units, cols, mask_units, mask_cols, MATVEC)
+            w_o = _load_gate_weight(w_hh_ptr, d, 3, H, units, cols, mask_units, mask_cols, MATVEC)
+
+        gate_i = _sigmoid(x_i + _gate_matvec(h, w_i, MATVEC))
+        gate_f = _sigmoid(x_f + _gate_matvec(h, w_f, MATVEC))
+        gate_g = _tanh(x_g + _gate_matvec(h, w_g, MATVEC))
+        gate_o = _sigmoid(x_o + _gate_matvec(h, w_o, MATVEC))
+        c_new = gate_f * c + gate_i * gate_g
+        h_new = gate_o * _tanh(c_new)
+
+        active = s < lengths
+        t = tl.where(d == 0, s, lengths - 1 - s)
+        out_row = row_start + t.to(tl.int64) * row_step
+        tl.store(out_ptr + out_row[:, None] * (NUM_DIRECTIONS * H) + d * H + units[None, :], h_new,
+                 mask=active[:, None] & mask_units[None, :])
+        c = tl.where(active[:, None], c_new, c)
+        h_own = tl.where(active[:, None], h_new, h_own)
+
+        tl.store(exchange_ptr + ((s + 1) % 2) * slot_size + own, h_own, mask=mask_own)
+        # Later steps' inputs do not depend on h: their loads (from DRAM) overlap the wait below.
+        if PREFETCH == 2:
+            x_i, x_f, x_g, x_o = y_i, y_f, y_g, y_o
+            y_i, y_f, y_g, y_o = _load_step_inputs(xw_ptr, row_start, lengths, s + 2, d, H, units,
+                                                   mask_units, row_step, NUM_DIRECTIONS)
+        else:
+            x_i, x_f, x_g, x_o = _load_step_inputs(xw_ptr, row_start, lengths, s + 1, d, H, units,
+                                                   mask_units, row_step, NUM_DIRECTIONS)
+        if SYNC == 1:
+            # Every thread's store must be done before this program signals (CTA barrier),
+            # and the release makes them visible to the programs that acquire the count.
+            tl.debug_barrier()
+            tl.atomic_add(counter, 1, sem="release", scope="gpu")
+            arrived = tl.atomic_add(counter, 0, sem="acquire", scope="gpu")
+            while arrived < K * (s + 1):
+                arrived = tl.atomic_add(counter, 0, sem="acquire", scope="gpu")
+        else:
+            tl.debug_barrier()  # the next step reads values other threads of this program wrote
+
+    tl.store(hn_ptr + own, h_own, mask=mask_own)
+    tl.store(cn_ptr + own, c, mask=mask_own)
+
+
+@dataclass(frozen=True)
+class RecurrenceConfig:
+    """How :func:`lstm_recurrence` splits the work.
+
+    Attributes:
+        programs_per_tile: ``K``, the programs that cooperate on one (direction,
+            batch tile); each holds ``4 H / K`` rows of ``W_hh``. ``1`` means no
+            cross-program waits (the interpreter's configuration).
+        block_b: batch rows per tile (a power of two).
+        matvec: how the recurrent product is computed (see :func:`_gate_matvec`):
+            0 broadcast multiply and sum over a weight row, 1 ``tl.dot`` in IEEE
+            float32, 2 broadcast multiply and sum over transposed weights (only
+            with ``block_b < 16``), 3 ``tl.dot`` with three TF32 products per
+            product (tensor cores, float32 accuracy).
+        sync: 1, the step counter (needed with ``K > 1``), or 0, a CTA barrier only
+            (only valid with ``K = 1``).
+        num_warps: warps per program.
+        prefetch: how many steps ahead the projected inputs are loaded (1 or 2).
+    """
+
+    programs_per_tile: int
+    block_b: int
+    matvec: int
+    sync: int
+    num_warps: int = 4
+    prefetch: int = 1
+
+
+def _sm_count(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def choose_config(batch: int, hidden: int, num_directions: int, device: torch.device) -> RecurrenceConfig:
+    """The configuration used by default for a layer of this shape on ``device``.
+
+    On the GPU each launch is filled up to the SM count: ``K`` programs per
+    (direction, batch tile), as many tiles as fit. Per-program work is ``block_b x
+    units x H`` multiply-adds per gate and step; beyond about 128 per thread the sums
+    no longer stay in registers and time climbs steeply, so a batch that needs more
+    rows per program than that runs as several launches. Among the splits, the fewest
+    launches, then the least work per thread, then (measured on an H200) fewer
+    programs per exchange for H <= 128 and the smaller weight slice for larger H.
+    The tensor-core product (``matvec`` 3) measured slower than these CUDA-core sums
+    at every pyannote shape, so it is not a default.
+    """
+    block_h = max(triton.next_power_of_2(hidden), 16)
+    if runtime.INTERPRETED or device.type != "cuda":
+        # The interpreter runs programs one after another: no cross-program waits.
+        return RecurrenceConfig(1, min(triton.next_power_of_2(max(batch, 1)), 16), 0, 0, 4)
+    sms = _sm_count(device)
+    num_warps = 4 if block_h <= 128 else 8
+    threads = 32 * num_warps
+    best = None
+    for units in (16, 32):
+        units = min(units, block_h)
+        k = block_h // units
+        if num_directions * k > sms:
+            continue
+        largest = 8  # rows per program: the most that keeps the work per thread <= 128
+        while largest > 1 and largest * units * block_h // threads > 128:
+            largest //= 2
+        if k == 1:
+            tiles = triton.cdiv(batch, largest)  # no waits: any number of tiles in one launch
+        else:
+            tiles = sms // (num_directions * k)
+        block_b = min(triton.next_power_of_2(max(math.ceil(batch / tiles), 1)), largest)
+        launches = triton.cdiv(batch, tiles * block_b)
+        work = block_b * units * block_h // threads
+        key = (launches, work, k if block_h <= 128 else -k)
+        if best is None or key < best[0]:
+            prefetch = 2 if block_b == 1 else 1  # measured a few percent faster at one row per program
+            best = (key, RecurrenceConfig(k, block_b, 2, 1 if k > 1 else 0, num_warps, prefetch=prefetch))
+    if best is None:
+        raise ValueError(f"hidden_size={hidden} is too large for the persistent kernels (at most {MAX_HIDDEN})")
+    return best[1]
+
+
+def lstm_recurrence(
+    xw: torch.Tensor,
+    w_hh: torch.Tensor,
+    h0: torch.Tensor,
+    c0: torch.Tensor,
+    row_start: torch.Tensor,
+    lengths: torch.Tensor,
+    row_step: int,
+    out: torch.Tensor,
+    h_n: torch.Tensor,
+    c_n: torch.Tensor,
+    config: Optional[RecurrenceConfig] = None,
+    w_hh_t: Optional[torch.Tensor] = None,
+) -> None:
+    """Run one layer's recurrence, every direction, in one launch (writes ``out``, ``h_n``, ``c_n``).
+
+    A batch larger than one launch can keep resident (``SMs / (D K)`` tiles) runs as
+    several launches of consecutive rows.
+
+    Args (float32 unless said, contiguous, on the kernel device):
+        xw: ``(N, D * 4H)`` projected inputs, ``x W_ih^T + b_ih + b_hh`` per direction.
+        w_hh: ``(D, 4H, H)`` recurrent weights.
+        h0, c0: ``(D, B, H)`` initial states.
+        row_start: int64 ``(B,)``, the row of frame 0 of each sequence in ``xw``/``out``.
+        lengths: int32 ``(B,)``, frames per sequence (frame ``t`` is row
+            ``row_start[b] + t * row_step``).
+        out: ``(N, D * H)``; only the rows of frames ``t < lengths[b]`` are written.
+        h_n, c_n: ``(D, B, H)`` final states.
+        config: see :class:`RecurrenceConfig`; :func:`choose_config` when ``None``.
+        w_hh_t: ``(D, 4, H, H)``, each gate's ``W_hh`` block transposed; only read
+            with ``config.matvec == 2`` (made here when not given).
+
+    The caller guarantees the shapes and that every row index is in range.
+    """
+    num_directions, _, hidden = w_hh.shape
+    batch = lengths.numel()
+    if batch == 0:
+        return
+    if config is None:
+        config = choose_config(batch, hidden, num_directions, xw.device)
+    block_h = max(triton.next_power_of_2(hidden), 16)
+    k = config.programs_per_tile
+    if block_h % k:
+        raise ValueError(f"programs_per_tile={k} must divide the padded hidden size {block_h}")
+    if config.sync not in (0, 1) or (k > 1 and config.sync != 1):
+        raise ValueError(f"programs_per_tile={k} needs sync {1 if k > 1 else '0 or 1'}, got {config.sync}")
+    if config.matvec == 2 and config.block_b >= 16:
+        raise ValueError("matvec=2 needs block_b < 16 (Triton turns larger ones into a TF32 dot)")
+    if k > 1 and runtime.INTERPRETED:
+        raise ValueError("Triton's interpreter runs programs one at a time: programs_per_tile must be 1")
+    if config.matvec == 2:
+        if w_hh_t is None:
+            w_hh_t = w_hh.view(num_directions, 4, hidden, hidden).transpose(2, 3).contiguous()
+        w_hh = w_hh_t
+    if k > 1:
+        sms = _sm_count(xw.device)
+        # Co-residency: every program of a launch may wait for any other of its tile, so
+        # a launch holds at most one program per SM; larger batches take several launches.
+        max_tiles = sms // (num_directions * k)
+        if max_tiles < 1:
+            raise ValueError(
+                f"the cooperative configuration needs {num_directions * k} programs resident at once, "
+                f"but the GPU has {sms} SMs; use fewer programs_per_tile"
+            )
+        rows_per_launch = max_tiles * config.block_b
+        if batch > rows_per_launch:
+            for lo in range(0, batch, rows_per_launch):
+                hi = min(lo + rows_per_launch, batch)
+                h_part = torch.empty_like(h_n[:, lo:hi])
+                c_part = torch.empty_like(c_n[:, lo:hi])
+                _launch(xw, w_hh, h0[:, lo:hi].contiguous(), c0[:, lo:hi].contiguous(), row_start[lo:hi],
+                        lengths[lo:hi], row_step, out, h_part, c_part, config, block_h)
+                h_n[:, lo:hi] = h_part
+                c_n[:, lo:hi] = c_part
+            return
+    _launch(xw, w_hh, h0, c0, row_start, lengths, row_step, out, h_n, c_n, config, block_h)
+
+
+def _launch(xw, w_hh, h0, c0, row_start, lengths, row_step, out, h_n, c_n, config, block_h):
+    num_directions, _, hidden = w_hh.shape[0], w_hh.shape[1], h0.shape[2]
+    batch = lengths.numel()
+    k = config.programs_per_tile
+    n_tiles = triton.cdiv(batch, config.block_b)
+    grid = (k, n_tiles, num_directions)
+    exchange = torch.empty((2, num_directions, batch, hidden), dtype=torch.float32, device=xw.device)
+    exchange[0] = h0
+    counter = torch.zeros((num_directions, n_tiles), dtype=torch.int32, device=xw.device)
+    _lstm_recurrence_kernel[grid](
+        xw, w_hh, out, exchange, h0, c0, h_n, c_n, row_start, lengths, counter,
+        batch, hidden, row_step, n_tiles,
+        NUM_DIRECTIONS=num_directions, K=k, BLOCK_B=config.block_b, BLOCK_H=block_h,
+        UNITS=block_h // k, MATVEC=config.matvec, SYNC=config.sync, PREFETCH=config.prefetch,
+        num_warps=config.num_warps,
+    )

@@ -1,0 +1,520 @@
+"""Triton stage: the kernels behind the segment operations, and their launchers.
+
+Every tensor here is 2-D and contiguous: rows ``(N, C)`` indexed by a sorted int32
+``idx`` of length ``N``, or per-segment rows ``(S, C)``. The public functions of
+:mod:`packed_kernels.segment_ops` reshape ``(N,)`` and ``(N, D)`` inputs to that form.
+
+Two kinds of kernel cover the six operations and all of their derivatives:
+
+* **Segmented reductions** (``sum``, ``mean``, ``dot``, ``rms_norm``, the gradient of
+  ``mul``'s ``y`` and of ``matvec``'s ``m``): ``out[s] = epilogue(sum_{i: idx[i]=s} f(row i))``.
+  One design serves segments of length 1 and of length ten million alike: each
+  program takes a fixed chunk of *rows*, not a segment, so no long segment
+  serialises on one program and no short one wastes one. Inside the chunk a
+  segmented inclusive scan (``tl.associative_scan`` on ``(starts-a-run, value)``
+  pairs) gives the total of every run of equal ``idx`` at the run's last row. Runs
+  that lie wholly inside the chunk are written straight to the output. The
+  chunk's first run and last run may continue in the neighbouring chunks: they are
+  written as two partial rows to a small buffer, and a second pass adds up the
+  partials of each segment in a fixed order. No atomics: the result is bitwise
+  reproducible.
+* **Row-wise maps** (the gradients of the reductions, ``mul`` and ``matvec``):
+  ``out[i] = g(row i, segment row idx[i])``; one program per block of rows, no
+  reduction at all.
+
+Accumulation is in float64 for float64 inputs and in float32 otherwise (float16 and
+bfloat16 inputs are read, computed in float32 and written back in their own dtype).
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+# Prologues of the segmented reduction: what each row contributes.
+ROW_VALUE = 0  # x[i, c]
+ROW_PRODUCT = 1  # x[i, c] * y[i, c]
+ROW_DOT = 2  # sum_c x[i, c] * y[i, c]           (one output column)
+ROW_SQUARED_NORM = 3  # sum_c x[i, c]^2          (one output column)
+ROW_OUTER = 4  # x[i, j] * y[i, k] at column j * K + k
+
+# Epilogues: what is done to a segment's total before it is stored.
+TOTAL = 0
+DIVIDE_BY_COUNT = 1  # mean; an empty segment stays 0
+SQRT_OF_MEAN = 2  # rms; an empty segment stays 0
+
+# Row-wise maps.
+GATHER = 0  # out[i, c] = b[s, c]
+GATHER_OVER_COUNT = 1  # out[i, c] = b[s, c] / count[s]
+SCALE_ROWS = 2  # out[i, c] = a[i, c] * b[s, c or 0]
+RMS_BACKWARD = 3  # out[i, c] = a[i, c] * b[s] / (count[s] * r[s]), 0 where r[s] = 0
+
+
+@triton.jit
+def _segmented_add(start_a, value_a, start_b, value_b):
+    """Combine of the segmented scan: a run start on the right cuts the sum off."""
+    return start_a | start_b, tl.where(start_b != 0, value_b, value_a + value_b)
+
+
+@triton.jit
+def _segmented_add_counted(start_a, value_a, count_a, start_b, value_b, count_b):
+    """``_segmented_add`` that also counts the rows of the run."""
+    cut = start_b != 0
+    return start_a | start_b, tl.where(cut, value_b, value_a + value_b), tl.where(cut, count_b, count_a + count_b)
+
+
+@triton.jit
+def segment_reduce_chunks_kernel(
+    x_ptr, y_ptr, idx_ptr, out_ptr, counts_ptr,
+    part_value_ptr, part_segment_ptr, part_count_ptr,
+    N, D, K, n_cols, num_segments,
+    PROLOGUE: tl.constexpr, EPILOGUE: tl.constexpr, WRITE_COUNTS: tl.constexpr, NEED_COUNTS: tl.constexpr,
+    ZERO_FILL: tl.constexpr, ONE_SCAN: tl.constexpr, BLOCK_ROWS: tl.constexpr, BLOCK_COLS: tl.constexpr,
+    ACC_DTYPE: tl.constexpr,
+):
+    """First pass of the segmented reduction: one chunk of ``BLOCK_ROWS`` rows per program.
+
+    Forward maths, for the segment ``s`` and output column ``c``::
+
+        total[s, c] = sum_{i : idx[i] = s} f(i, c)
+        out[s, c]   = total[s, c]                       (TOTAL)
+                    = total[s, c] / n_s                  (DIVIDE_BY_COUNT, n_s rows in s)
+                    = sqrt(total[s, 0] / n_s)            (SQRT_OF_MEAN)
+
+    with ``f`` the prologue: ``x[i, c]``, ``x[i, c] y[i, c]``, ``sum_d x[i, d] y[i, d]``,
+    ``sum_d x[i, d]^2`` or ``x[i, j] y[i, k]`` (``c = j K + k``). Gradients are not
+    computed here: the adjoint of a segmented sum is a gather (a row-wise map) and
+    the adjoint of a gather is again a segmented sum (see ``custom_ops``).
+
+    Runs of equal ``idx`` inside the chunk are summed by one segmented inclusive scan
+    over ``(is_run_start, value)``. A run that is neither the chunk's first nor its
+    last lies wholly inside the chunk: its output row is written here. The first
+    and the last run go to the partial buffer, rows ``2 * pid`` and ``2 * pid + 1``
+    (the last one is an empty 0 when the chunk holds a single run), with their
+    segment ids and row counts; ``segment_reduce_combine_kernel`` finishes them.
+    Program axis 1 walks blocks of output columns.
+    """
+    pid = tl.program_id(0)
+    col_block = tl.program_id(1)
+    row0 = pid * BLOCK_ROWS
+    rows = row0 + tl.arange(0, BLOCK_ROWS)
+    in_range = rows < N
+    rows64 = rows.to(tl.int64)
+    # Rows past N get a segment id of -2, so they never join a real run.
+    segment = tl.load(idx_ptr + rows, mask=in_range, other=-2)
+    previous = tl.load(idx_ptr + rows - 1, mask=in_range & (rows > row0), other=-1)
+    following = tl.load(idx_ptr + rows + 1, mask=(rows + 1 < N) & (rows + 1 < row0 + BLOCK_ROWS), other=-1)
+    starts = (segment != previous).to(tl.int32)
+    ends = (segment != following) & in_range
+
+    cols = col_block * BLOCK_COLS + tl.arange(0, BLOCK_COLS)
+    col_ok = cols < n_cols
+    if PROLOGUE == 0:  # ROW_VALUE
+        value = tl.load(x_ptr + rows64[:, None] * D + cols[None, :],
+                        mask=in_range[:, None] & col_ok[None, :], other=0.0).to(ACC_DTYPE)
+    elif PROLOGUE == 1:  # ROW_PRODUCT
+        offsets = rows64[:, None] * D + cols[None, :]
+        both = in_range[:, None] & col_ok[None, :]
+        value = (tl.load(x_ptr + offsets, mask=both, other=0.0).to(ACC_DTYPE)
+                 * tl.load(y_ptr + offsets, mask=both, other=0.0).to(ACC_DTYPE))
+    elif PROLOGUE == 4:  # ROW_OUTER
+        j = cols // K
+        k = cols % K
+        both = in_range[:, None] & col_ok[None, :]
+        value = (tl.load(x_ptr + rows64[:, None] * D + j[None, :], mask=both, other=0.0).to(ACC_DTYPE)
+                 * tl.load(y_ptr + rows64[:, None] * K + k[None, :], mask=both, other=0.0).to(ACC_DTYPE))
+    else:  # ROW_DOT, ROW_SQUARED_NORM: one output column
+        # One column at a time into a 1-D row total: a 2-D tile reduced over its columns
+        # would leave the total replicated across the threads that held those columns,
+        # and the segmented scan below must see each row once.
+        row_total = tl.zeros((BLOCK_ROWS,), dtype=ACC_DTYPE)
+        for d in range(0, D):
+            a = tl.load(x_ptr + rows64 * D + d, mask=in_range, other=0.0).to(ACC_DTYPE)
+            if PROLOGUE == 2:
+                b = tl.load(y_ptr + rows64 * D + d, mask=in_range, other=0.0).to(ACC_DTYPE)
+            else:
+                b = a
+            row_total += a * b
+        value = row_total[:, None] + tl.zeros((BLOCK_ROWS, BLOCK_COLS), dtype=ACC_DTYPE)
+
+    flags = starts[:, None] + tl.zeros((BLOCK_ROWS, BLOCK_COLS), dtype=tl.int32)
+    if NEED_COUNTS and ONE_SCAN:
+        # Rows per run counted in the same scan, in the values' layout (no conversion).
+        _, total, count_2d = tl.associative_scan((flags, value, flags * 0 + 1), 0, _segmented_add_counted)
+        count = tl.max(count_2d, axis=1)
+    elif NEED_COUNTS:
+        _, total = tl.associative_scan((flags, value), 0, _segmented_add)
+        _, count = tl.associative_scan((starts, tl.full((BLOCK_ROWS,), 1, tl.int32)), 0, _segmented_add)
+    else:
+        _, total = tl.associative_scan((flags, value), 0, _segmented_add)
+        count = tl.full((BLOCK_ROWS,), 1, tl.int32)
+
+    head_segment = tl.load(idx_ptr + row0)
+    tail_segment = tl.load(idx_ptr + tl.minimum(row0 + BLOCK_ROWS, N) - 1)
+    inside = ends & (segment != head_segment) & (segment != tail_segment)
+
+    if ZERO_FILL:
+        # Empty segments must read 0, and nobody else writes them: this chunk zeroes the
+        # output rows from its first segment (exclusive; from 0 in chunk 0) up to the next
+        # chunk's first segment (exclusive; num_segments after the last chunk). The ranges
+        # of the chunks are disjoint; they cover every segment but the chunks' first ones,
+        # which the combine pass always writes. The barrier orders these zeros before the
+        # totals stored below (some land on the same rows).
+        next_row = row0 + BLOCK_ROWS
+        next_head = tl.load(idx_ptr + next_row, mask=next_row < N, other=num_segments)
+        first = tl.where(pid == 0, 0, head_segment + 1)
+        fill_rows = tl.arange(0, BLOCK_ROWS)
+        for start in range(first, next_head, BLOCK_ROWS):
+            fill = start + fill_rows
+            fill_ok = fill < next_head
+            fill64 = fill.to(tl.int64)
+            tl.store(out_ptr + fill64[:, None] * n_cols + cols[None, :],
+                     tl.zeros((BLOCK_ROWS, BLOCK_COLS), dtype=out_ptr.dtype.element_ty),
+                     mask=fill_ok[:, None] & col_ok[None, :])
+            if WRITE_COUNTS:
+                if col_block == 0:
+                    tl.store(counts_ptr + fill64, tl.zeros((BLOCK_ROWS,), dtype=tl.int32), mask=fill_ok)
+        tl.debug_barrier()
+
+    if EPILOGUE == 0:  # TOTAL
+        finished = total
+    elif EPILOGUE == 1:  # DIVIDE_BY_COUNT
+        finished = total / tl.maximum(count, 1).to(ACC_DTYPE)[:, None]
+    else:  # SQRT_OF_MEAN
+        finished = tl.sqrt(total / tl.maximum(count, 1).to(ACC_DTYPE)[:, None])
+    segment64 = segment.to(tl.int64)
+    tl.store(out_ptr + segment64[:, None] * n_cols + cols[None, :],
+             finished.to(out_ptr.dtype.element_ty), mask=inside[:, None] & col_ok[None, :])
+    if WRITE_COUNTS:
+        if col_block == 0:
+            tl.store(counts_ptr + segment64, count, mask=inside)
+
+    is_head = ends & (segment == head_segment)
+    is_tail = ends & (segment == tail_segment) & (segment != head_segment)
+    head_value = tl.sum(tl.where(is_head[:, None], total, 0.0), axis=0)
+    tail_value = tl.sum(tl.where(is_tail[:, None], total, 0.0), axis=0)
+    part = 2 * pid.to(tl.int64)
+    tl.store(part_value_ptr + part * n_cols + cols, head_value, mask=col_ok)
+    tl.store(part_value_ptr + (part + 1) * n_cols + cols, tail_value, mask=col_ok)
+    if col_block == 0:
+        tl.store(part_segment_ptr + part, head_segment)
+        tl.store(part_segment_ptr + part + 1, tail_segment)
+        tl.store(part_count_ptr + part, tl.sum(tl.where(is_head, count, 0), axis=0))
+        tl.store(part_count_ptr + part + 1, tl.sum(tl.where(is_tail, count, 0), axis=0))
+
+
+@triton.jit
+def segment_reduce_combine_kernel(
+    part_value_ptr, part_segment_ptr, part_count_ptr, out_ptr, counts_ptr,
+    n_parts, n_cols,
+    EPILOGUE: tl.constexpr, WRITE_COUNTS: tl.constexpr,
+    BLOCK_PARTS: tl.constexpr, BLOCK_COLS: tl.constexpr, ACC_DTYPE: tl.constexpr,
+):
+    """Second pass: add up the partial rows of each segment that touches a chunk edge.
+
+    The partial rows are ordered by segment (chunk ``p``'s first run, then its last
+    run, then chunk ``p + 1``'s), so a segment's partials are consecutive. The
+    program of partial ``j`` owns segment ``s = part_segment[j]`` when ``j`` is the
+    first partial of ``s``; it sums the partials of ``s`` from ``j`` on, ``BLOCK_PARTS``
+    at a time, always in the same order (deterministic), applies the epilogue and
+    writes ``out[s]``. A segment of ten million rows in chunks of 4096 rows has
+    about 5000 partials: a few vector steps, not a serial walk.
+    """
+    j = tl.program_id(0)
+    col_block = tl.program_id(1)
+    segment = tl.load(part_segment_ptr + j)
+    previous = tl.load(part_segment_ptr + j - 1, mask=j > 0, other=-1)
+    owner = segment != previous
+    cols = col_block * BLOCK_COLS + tl.arange(0, BLOCK_COLS)
+    col_ok = cols < n_cols
+    total = tl.zeros((BLOCK_COLS,), dtype=ACC_DTYPE)
+    count = tl.sum(tl.zeros((BLOCK_PARTS,), dtype=tl.int32), axis=0)
+    start = j
+    more = owner
+    while more:
+        parts = start + tl.arange(0, BLOCK_PARTS)
+        parts_ok = parts < n_parts
+        match = (tl.load(part_segment_ptr + parts, mask=parts_ok, other=-1) == segment) & parts_ok
+        parts64 = parts.to(tl.int64)
+        values = tl.load(part_value_ptr + parts64[:, None] * n_cols + cols[None, :],
+                         mask=match[:, None] & col_ok[None, :], other=0.0)
+        total += tl.sum(values, axis=0)
+        count += tl.sum(tl.load(part_count_ptr + parts, mask=match, other=0), axis=0)
+        more = tl.sum(match.to(tl.int32), axis=0) == BLOCK_PARTS
+        start += BLOCK_PARTS
+    if EPILOGUE == 1:
+        total = total / tl.maximum(count, 1).to(ACC_DTYPE)
+    elif EPILOGUE == 2:
+        total = tl.sqrt(total / tl.maximum(count, 1).to(ACC_DTYPE))
+    segment64 = segment.to(tl.int64)
+    # (A vector comparison, not `owner & col_ok`: Triton's interpreter turns a
+    # scalar-and-vector `&` into an int32 mask, which its store rejects.)
+    owner_cols = (cols * 0 + segment) != (cols * 0 + previous)
+    tl.store(out_ptr + segment64 * n_cols + cols, total.to(out_ptr.dtype.element_ty), mask=owner_cols & col_ok)
+    if WRITE_COUNTS:
+        if col_block == 0:
+            tl.store(counts_ptr + segment64, count, mask=owner)
+
+
+@triton.jit
+def segment_rowwise_kernel(
+    a_ptr, b_ptr, counts_ptr, r_ptr, idx_ptr, out_ptr,
+    N, n_cols,
+    MODE: tl.constexpr, BROADCAST_B: tl.constexpr, BLOCK_ROWS: tl.constexpr, BLOCK_COLS: tl.constexpr, ACC_DTYPE: tl.constexpr,
+):
+    """Row-wise map ``out[i, c] = g(i, s = idx[i])``: the gradients of the reductions, and ``mul``.
+
+    * ``GATHER``:            ``out[i, c] = b[s, c]``  (the adjoint of a segmented sum)
+    * ``GATHER_OVER_COUNT``: ``out[i, c] = b[s, c] / n_s``  (the adjoint of a segmented mean)
+    * ``SCALE_ROWS``:        ``out[i, c] = a[i, c] b[s, c]``, or ``a[i, c] b[s, 0]`` when ``b``
+      has one column (``mul``; the gradients of ``dot``)
+    * ``RMS_BACKWARD``:      ``out[i, c] = a[i, c] b[s] / (n_s r_s)``, 0 where ``r_s = 0``: the
+      gradient of ``r_s = sqrt(sum_i |x_i|^2 / n_s)`` is ``dr_s/dx_i = x_i / (n_s r_s)``.
+    """
+    pid = tl.program_id(0)
+    col_block = tl.program_id(1)
+    rows = pid * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
+    in_range = rows < N
+    rows64 = rows.to(tl.int64)
+    segment = tl.load(idx_ptr + rows, mask=in_range, other=0).to(tl.int64)
+    cols = col_block * BLOCK_COLS + tl.arange(0, BLOCK_COLS)
+    both = in_range[:, None] & (cols < n_cols)[None, :]
+    if MODE == 0:  # GATHER
+        result = tl.load(b_ptr + segment[:, None] * n_cols + cols[None, :], mask=both, other=0.0).to(ACC_DTYPE)
+    elif MODE == 1:  # GATHER_OVER_COUNT
+        n = tl.load(counts_ptr + segment, mask=in_range, other=1).to(ACC_DTYPE)
+        result = tl.load(b_ptr + segment[:, None] * n_cols + cols[None, :], mask=both, other=0.0).to(ACC_DTYPE)
+        result = result / n[:, None]
+    elif MODE == 2:  # SCALE_ROWS
+        a = tl.load(a_ptr + rows64[:, None] * n_cols + cols[None, :], mask=both, other=0.0).to(ACC_DTYPE)
+        if BROADCAST_B:
+            b = tl.load(b_ptr + segment, mask=in_range, other=0.0).to(ACC_DTYPE)[:, None]
+        else:
+            b = tl.load(b_ptr + segment[:, None] * n_cols + cols[None, :], mask=both, other=0.0).to(ACC_DTYPE)
+        result = a * b
+    else:  # RMS_BACKWARD
+        a = tl.load(a_ptr + rows64[:, None] * n_cols + cols[None, :], mask=both, other=0.0).to(ACC_DTYPE)
+        g = tl.load(b_ptr + segment, mask=in_range, other=0.0).to(ACC_DTYPE)
+        n = tl.load(counts_ptr + segment, mask=in_range, other=1).to(ACC_DTYPE)
+        r = tl.load(r_ptr + segment, mask=in_range, other=0.0).to(ACC_DTYPE)
+        weight = tl.where(r > 0, g / (n * tl.where(r > 0, r, 1.0)), 0.0)
+        result = a * weight[:, None]
+    tl.store(out_ptr + rows64[:, None] * n_cols + cols[None, :], result.to(out_ptr.dtype.element_ty), mask=both)
+
+
+@triton.jit
+def segment_matvec_kernel(
+    v_ptr, m_ptr, idx_ptr, out_ptr, N, D, K,
+    TRANSPOSE: tl.constexpr, BLOCK_ROWS: tl.constexpr, BLOCK_OUT: tl.constexpr, ACC_DTYPE: tl.constexpr,
+):
+    """Per-row small matrix-vector product with the row's segment matrix ``m[s]`` of shape ``(D, K)``.
+
+    * ``TRANSPOSE=False``: ``out[i, k] = sum_j m[s, j, k] v[i, j]``  (``out_i = m_s^T v_i``; v ``(N, D)``)
+    * ``TRANSPOSE=True``:  ``out[i, j] = sum_k m[s, j, k] v[i, k]``  (``out_i = m_s v_i``; v ``(N, K)``)
+
+    Gradients of ``out_i = m_s^T v_i`` with upstream ``g_i``: ``dv_i = m_s g_i`` (this kernel
+    with ``TRANSPOSE=True``) and ``dm_s = sum_{i in s} v_i g_i^T`` (a segmented reduction with
+    the outer-product prologue). The inner dimension is small (3 in the anchor case),
+    so it is a loop of rank-1 updates.
+    """
+    pid = tl.program_id(0)
+    rows = pid * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
+    in_range = rows < N
+    rows64 = rows.to(tl.int64)
+    segment = tl.load(idx_ptr + rows, mask=in_range, other=0).to(tl.int64)
+    outs = tl.arange(0, BLOCK_OUT)
+    acc = tl.zeros((BLOCK_ROWS, BLOCK_OUT), dtype=ACC_DTYPE)
+    if TRANSPOSE:
+        out_ok = outs < D
+        both = in_range[:, None] & out_ok[None, :]
+        for k in range(0, K):
+            vk = tl.load(v_ptr + rows64 * K + k, mask=in_range, other=0.0).to(ACC_DTYPE)
+            mk = tl.load(m_ptr + segment[:, None] * (D * K) + outs[None, :] * K + k, mask=both, other=0.0)
+            acc += vk[:, None] * mk.to(ACC_DTYPE)
+        tl.store(out_ptr + rows64[:, None] * D + outs[None, :], acc.to(out_ptr.dtype.element_ty), mask=both)
+    else:
+        out_ok = outs < K
+        both = in_range[:, None] & out_ok[None, :]
+        for j in range(0, D):
+            vj = tl.load(v_ptr + rows64 * D + j, mask=in_range, other=0.0).to(ACC_DTYPE)
+            mj = tl.load(m_ptr + segment[:, None] * (D * K) + j * K + outs[None, :], mask=both, other=0.0)
+            acc += vj[:, None] * mj.to(ACC_DTYPE)
+        tl.store(out_ptr + rows64[:, None] * K + outs[None, :], acc.to(out_ptr.dtype.element_ty), mask=both)
+
+
+@triton.jit
+def rms_norm_double_backward_kernel(
+    p_ptr, g_ptr, r_ptr, counts_ptr, grad_g_ptr, grad_r_ptr, S,
+    BLOCK: tl.constexpr, ACC_DTYPE: tl.constexpr,
+):
+    """Per-segment part of the double backward of ``rms_norm``.
+
+    The first backward is ``dx_i = x_i g_s / (n_s r_s)``. Given the cotangent ``u_i`` of
+    ``dx_i`` and ``p_s = sum_{i in s} u_i . x_i`` (a segmented dot), its derivatives are
+    ``d/dg_s = p_s / (n_s r_s)`` and ``d/dr_s = -p_s g_s / (n_s r_s^2)`` (both 0 where
+    ``r_s = 0``); the part through ``x`` directly, ``u_i g_s / (n_s r_s)``, is the first
+    backward again, applied to ``u``.
+    """
+    offsets = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    ok = offsets < S
+    p = tl.load(p_ptr + offsets, mask=ok, other=0.0).to(ACC_DTYPE)
+    g = tl.load(g_ptr + offsets, mask=ok, other=0.0).to(ACC_DTYPE)
+    r = tl.load(r_ptr + offsets, mask=ok, other=0.0).to(ACC_DTYPE)
+    n = tl.load(counts_ptr + offsets, mask=ok, other=1).to(ACC_DTYPE)
+    positive = r > 0
+    safe_r = tl.where(positive, r, 1.0)
+    grad_g = tl.where(positive, p / (n * safe_r), 0.0)
+    grad_r = tl.where(positive, -p * g / (n * safe_r * safe_r), 0.0)
+    tl.store(grad_g_ptr + offsets, grad_g.to(grad_g_ptr.dtype.element_ty), mask=ok)
+    tl.store(grad_r_ptr + offsets, grad_r.to(grad_r_ptr.dtype.element_ty), mask=ok)
+
+
+# ---------------------------------------------------------------------------------------
+# Launchers. They take contiguous 2-D tensors on the kernel device; the public functions
+# have validated everything already.
+# ---------------------------------------------------------------------------------------
+
+#: Rows per chunk of the segmented reduction, per output-column block width; a test
+#: may lower it to drive many chunks (and the combine pass) through a small input.
+CHUNK_ELEMENTS = 4096
+#: Smallest chunk of rows (wide rows still get enough rows to amortise the scan).
+MIN_CHUNK_ROWS = 64
+ROWWISE_ELEMENTS = 4096
+#: Warps per program of the first reduction pass (None: by the chunk's size).
+CHUNK_WARPS = None
+#: Zero the empty segments inside the first pass (True) or with ``torch.zeros`` first.
+ZERO_FILL_IN_KERNEL = True
+#: Count the rows of each run (mean, rms) in the values' scan (True) or in a second scan.
+COUNTS_IN_VALUE_SCAN = True
+
+
+def uninitialised(shape, dtype, device) -> torch.Tensor:
+    """Allocate an output that the kernels fill completely (a test may poison it)."""
+    return torch.empty(shape, dtype=dtype, device=device)
+
+
+def _warps_for(elements: int) -> int:
+    # Small tiles (small inputs) get fewer threads: less replication of tiny tensors.
+    return 8 if elements >= 2048 else (4 if elements >= 512 else 1)
+
+
+def _accumulator(dtype: torch.dtype):
+    return tl.float64 if dtype == torch.float64 else tl.float32
+
+
+def _column_block(n_cols: int) -> int:
+    return min(triton.next_power_of_2(max(n_cols, 1)), 64)
+
+
+def chunk_rows(block_cols: int) -> int:
+    return max(MIN_CHUNK_ROWS, CHUNK_ELEMENTS // block_cols)
+
+
+def segment_reduce(x: torch.Tensor, y, idx: torch.Tensor, num_segments: int, prologue: int,
+                   epilogue: int, write_counts: bool, K: int = 1):
+    """Launch the two-pass segmented reduction; returns ``(out (S, C), counts (S,) int32)``.
+
+    ``x``: ``(N, D)``; ``y``: ``(N, D)`` (product, dot), ``(N, K)`` (outer) or ``None``.
+    ``C`` is ``D`` (value, product), 1 (dot, squared norm) or ``D * K`` (outer). ``out``
+    has ``x``'s dtype; ``counts`` is filled only when ``write_counts``.
+    """
+    N, D = x.shape
+    if prologue in (ROW_DOT, ROW_SQUARED_NORM):
+        n_cols = 1
+    elif prologue == ROW_OUTER:
+        n_cols = D * K
+    else:
+        n_cols = D
+    if N == 0 or num_segments == 0 or n_cols == 0:
+        out = torch.zeros((num_segments, n_cols), dtype=x.dtype, device=x.device)
+        return out, torch.zeros((num_segments if write_counts else 0,), dtype=torch.int32, device=x.device)
+    # With ZERO_FILL_IN_KERNEL the first pass zeroes the empty segments itself: one
+    # launch and one pass over the output fewer.
+    allocate = uninitialised if ZERO_FILL_IN_KERNEL else torch.zeros
+    out = allocate((num_segments, n_cols), dtype=x.dtype, device=x.device)
+    counts = allocate((num_segments if write_counts else 0,), dtype=torch.int32, device=x.device)
+    acc = _accumulator(x.dtype)
+    block_cols = 1 if n_cols == 1 else _column_block(n_cols)
+    block_rows = chunk_rows(block_cols)
+    # No chunk longer than the input, rounded up to a power of two: padding rows cost
+    # scan steps (and the interpreter's scan steps are slow).
+    block_rows = min(block_rows, max(16, triton.next_power_of_2(N)))
+    n_chunks = triton.cdiv(N, block_rows)
+    col_blocks = triton.cdiv(n_cols, block_cols)
+    acc_torch = torch.float64 if x.dtype == torch.float64 else torch.float32
+    part_value = torch.empty((2 * n_chunks, n_cols), dtype=acc_torch, device=x.device)
+    # Segment ids and row counts of the partials share one allocation (fewer host calls).
+    part_segment, part_count = torch.empty((2, 2 * n_chunks), dtype=torch.int32, device=x.device).unbind(0)
+    y_arg = x if y is None else y
+    segment_reduce_chunks_kernel[(n_chunks, col_blocks)](
+        x, y_arg, idx, out, counts, part_value, part_segment, part_count,
+        N, D, K, n_cols, num_segments,
+        PROLOGUE=prologue, EPILOGUE=epilogue, WRITE_COUNTS=write_counts, ZERO_FILL=ZERO_FILL_IN_KERNEL,
+        ONE_SCAN=COUNTS_IN_VALUE_SCAN,
+        NEED_COUNTS=write_counts or epilogue != TOTAL,
+        BLOCK_ROWS=block_rows, BLOCK_COLS=block_cols, ACC_DTYPE=acc,
+        num_warps=CHUNK_WARPS or _warps_for(block_rows * block_cols),
+    )
+    segment_reduce_combine_kernel[(2 * n_chunks, col_blocks)](
+        part_value, part_segment, part_count, out, counts, 2 * n_chunks, n_cols,
+        EPILOGUE=epilogue, WRITE_COUNTS=write_counts,
+        BLOCK_PARTS=128, BLOCK_COLS=block_cols, ACC_DTYPE=acc,
+        num_warps=4,
+    )
+    return out, counts
+
+
+def segment_rowwise(mode: int, a, b: torch.Tensor, idx: torch.Tensor, counts=None, r=None,
+                    n_cols: int = None) -> torch.Tensor:
+    """Launch a row-wise map (see ``segment_rowwise_kernel``); returns ``(N, n_cols)``."""
+    N = idx.shape[0]
+    if n_cols is None:
+        n_cols = a.shape[1] if a is not None else b.shape[1]
+    dtype = (a if a is not None else b).dtype
+    out = torch.empty((N, n_cols), dtype=dtype, device=idx.device)
+    if N == 0 or n_cols == 0:
+        return out
+    block_cols = _column_block(n_cols)
+    block_rows = max(16, ROWWISE_ELEMENTS // block_cols)
+    dummy = b
+    segment_rowwise_kernel[(triton.cdiv(N, block_rows), triton.cdiv(n_cols, block_cols))](
+        a if a is not None else dummy, b, counts if counts is not None else idx,
+        r if r is not None else dummy, idx, out, N, n_cols,
+        MODE=mode, BROADCAST_B=b.shape[1] == 1 and n_cols != 1, BLOCK_ROWS=block_rows, BLOCK_COLS=block_cols, ACC_DTYPE=_accumulator(dtype),
+        num_warps=4,
+    )
+    return out
+
+
+def segment_matvec(v: torch.Tensor, m: torch.Tensor, idx: torch.Tensor, transpose: bool) -> torch.Tensor:
+    """``m[idx]^T v`` (``transpose=False``; v ``(N, D)`` -> ``(N, K)``) or ``m[idx] v`` (``(N, K)`` -> ``(N, D)``)."""
+    N = v.shape[0]
+    _, D, K = m.shape
+    n_out = D if transpose else K
+    out = torch.empty((N, n_out), dtype=v.dtype, device=v.device)
+    if N == 0 or n_out == 0:
+        return out
+    block_out = triton.next_power_of_2(n_out)
+    block_rows = max(16, ROWWISE_ELEMENTS // block_out)
+    segment_matvec_kernel[(triton.cdiv(N, block_rows),)](
+        v, m, idx, out, N, D, K,
+        TRANSPOSE=transpose, BLOCK_ROWS=block_rows, BLOCK_OUT=block_out, ACC_DTYPE=_accumulator(v.dtype),
+        num_warps=4,
+    )
+    return out
+
+
+def rms_norm_double_backward(p, g, r, counts):
+    """Launch ``rms_norm_double_backward_kernel`` on ``(S, 1)`` tensors; returns ``(grad_g, grad_r)``."""
+    S = p.shape[0]
+    grad_g = torch.empty_like(g)
+    grad_r = torch.empty_like(r)
+    if S == 0:
+        return grad_g, grad_r
+    rms_norm_double_backward_kernel[(triton.cdiv(S, 1024),)](
+        p, g, r, counts, grad_g, grad_r, S, BLOCK=1024, ACC_DTYPE=_accumulator(g.dtype),
+    )
+    return grad_g, grad_r
+
+
+__all__ = ["segment_reduce", "segment_rowwise", "segment_matvec", "rms_norm_double_backward"]

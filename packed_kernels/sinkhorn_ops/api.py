@@ -1,0 +1,238 @@
+"""The public functions ``sinkhorn`` and ``sinkhorn_backward``: validation and autograd wiring.
+
+The kernels are wrapped as ``torch.library`` custom operators with fake (shape-only)
+implementations and a registered backward, so that ``torch.compile(fullgraph=True)``
+traces through them and autograd calls the Triton backward of the chosen kind.
+In eager mode the same launchers run through a plain ``torch.autograd.Function``:
+a custom-operator call costs on the order of a hundred microseconds of host time,
+more than the kernels themselves at a million tokens.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from .. import runtime
+from . import padded_torch
+from .triton_kernels import (
+    MAX_KERNEL_N,
+    MAX_UNROLLED_ITERS,
+    sinkhorn_forward_triton,
+    sinkhorn_implicit_backward_triton,
+    sinkhorn_unrolled_backward_triton,
+)
+
+_FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+_BACKWARDS = ("implicit", "unrolled")
+_NO_CG = -1  # custom-op schemas take ints, not Optional: -1 selects the direct solve
+
+
+def _cg_or_none(cg_iters: int):
+    return None if cg_iters == _NO_CG else cg_iters
+
+
+@torch.library.custom_op("packed_kernels::sinkhorn_forward", mutates_args=())
+def _sinkhorn_forward_op(logits: torch.Tensor, iters: int, unrolled: bool, cg_iters: int) -> torch.Tensor:
+    return sinkhorn_forward_triton(logits, iters)
+
+
+@_sinkhorn_forward_op.register_fake
+def _(logits, iters, unrolled, cg_iters):
+    return torch.empty_like(logits)
+
+
+@torch.library.custom_op("packed_kernels::sinkhorn_implicit_backward", mutates_args=())
+def _implicit_backward_op(R: torch.Tensor, grad_R: torch.Tensor, cg_iters: int) -> torch.Tensor:
+    return sinkhorn_implicit_backward_triton(R, grad_R.contiguous(), _cg_or_none(cg_iters))
+
+
+@_implicit_backward_op.register_fake
+def _(R, grad_R, cg_iters):
+    return torch.empty_like(R)
+
+
+@torch.library.custom_op("packed_kernels::sinkhorn_unrolled_backward", mutates_args=())
+def _unrolled_backward_op(logits: torch.Tensor, grad_R: torch.Tensor, iters: int) -> torch.Tensor:
+    return sinkhorn_unrolled_backward_triton(logits, grad_R.contiguous(), iters)
+
+
+@_unrolled_backward_op.register_fake
+def _(logits, grad_R, iters):
+    return torch.empty_like(logits)
+
+
+def _setup_context(ctx, inputs, output):
+    logits, iters, unrolled, cg_iters = inputs
+    ctx.iters, ctx.unrolled, ctx.cg_iters = iters, unrolled, cg_iters
+    # the unrolled backward recomputes the iterates from the logits; the implicit one needs only R
+    ctx.save_for_backward(logits if unrolled else output)
+
+
+def _backward(ctx, grad_R):
+    (saved,) = ctx.saved_tensors
+    grad_R = grad_R.to(saved.dtype)
+    if ctx.unrolled:
+        grad = _unrolled_backward_op(saved, grad_R, ctx.iters)
+    else:
+        grad = _implicit_backward_op(saved, grad_R, ctx.cg_iters)
+    return grad, None, None, None
+
+
+_sinkhorn_forward_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+class _EagerSinkhorn(torch.autograd.Function):
+    """The custom operator's forward and backward, without the dispatcher (eager mode)."""
+
+    @staticmethod
+    def forward(ctx, logits, iters, unrolled, cg_iters):
+        R = sinkhorn_forward_triton(logits, iters)
+        ctx.iters, ctx.unrolled, ctx.cg_iters = iters, unrolled, cg_iters
+        ctx.save_for_backward(logits if unrolled else R)
+        return R
+
+    @staticmethod
+    def backward(ctx, grad_R):
+        (saved,) = ctx.saved_tensors
+        grad_R = grad_R.to(saved.dtype).contiguous()
+        if ctx.unrolled:
+            grad = sinkhorn_unrolled_backward_triton(saved, grad_R, ctx.iters)
+        else:
+            grad = sinkhorn_implicit_backward_triton(saved, grad_R, _cg_or_none(ctx.cg_iters))
+        return grad, None, None, None
+
+
+class _PaddedImplicit(torch.autograd.Function):
+    """Fallback beyond the kernels' ``n``: padded PyTorch forward, CG implicit backward."""
+
+    @staticmethod
+    def forward(ctx, logits, iters, cg_iters):
+        with torch.no_grad():
+            R = padded_torch.sinkhorn_torch(logits, iters)
+        ctx.save_for_backward(R)
+        ctx.cg_iters = cg_iters
+        return R
+
+    @staticmethod
+    def backward(ctx, grad_R):
+        (R,) = ctx.saved_tensors
+        return padded_torch.implicit_backward_torch(R, grad_R, ctx.cg_iters), None, None
+
+
+def _check_matrices(name: str, x) -> int:
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor; got {type(x).__name__}")
+    if x.dim() < 2 or x.shape[-1] != x.shape[-2]:
+        raise ValueError(f"{name} must have shape (..., n, n) with at least 2 dims; got shape {tuple(x.shape)}")
+    if x.dtype not in _FLOAT_DTYPES:
+        raise TypeError(f"{name} must be float32, bfloat16, float16 or float64; got {x.dtype}")
+    if x.shape[-1] < 1:
+        raise ValueError(f"{name} must have n >= 1; got shape {tuple(x.shape)}")
+    return x.shape[-1]
+
+
+def _check_cg_iters(cg_iters) -> int:
+    if cg_iters is None:
+        return _NO_CG
+    if isinstance(cg_iters, bool) or not isinstance(cg_iters, int):
+        raise TypeError(f"cg_iters must be None or an int; got {type(cg_iters).__name__}")
+    if cg_iters < 1:
+        raise ValueError(f"cg_iters must be >= 1 (or None for the direct solve); got {cg_iters}")
+    return cg_iters
+
+
+def sinkhorn(logits: torch.Tensor, iters: int = 20, *, backward: str = "implicit",
+             cg_iters: Optional[int] = None) -> torch.Tensor:
+    """Project each ``n x n`` matrix of ``logits`` towards the doubly stochastic matrices.
+
+    Args:
+        logits: ``(..., n, n)``, float32, bfloat16, float16 (computed in float32) or
+            float64 (computed in float64); any leading dims, any strides
+            (non-contiguous input is copied to a contiguous one first).
+        iters: number of iterations, ``>= 1``. Each divides by the column sums
+            (dim -2), then by the row sums (dim -1), after ``exp(logits - column max)``.
+        backward: ``"implicit"``: gradient of the converged projection (implicit
+            function theorem; see :func:`sinkhorn_backward`), or ``"unrolled"``: the
+            exact gradient of the ``iters``-step map, by reverse mode with the
+            forward recomputed on chip.
+        cg_iters: implicit backward only. ``None`` (default): direct solve of the
+            gauge-fixed system per matrix (elimination without cancellation; see
+            :func:`sinkhorn_backward`). An int: that many conjugate-gradient steps on
+            the same system, shifted by one rounding unit (``2n`` steps reach the
+            direct answer up to rounding).
+
+    Returns:
+        ``R`` of the shape and dtype of ``logits``: rows sum to 1 exactly (up to
+        rounding) and columns approach 1 as ``iters`` grows.
+
+    ``n`` from 1 to 32 runs the Triton kernels (``n`` = 2, 4, 8 with one matrix per
+    thread); larger ``n`` runs the padded PyTorch stage (same results, no fused
+    kernel; its implicit backward is conjugate gradient with ``cg_iters`` or ``2n``
+    steps). ``backward="unrolled"`` with more than 128 iterations also runs the
+    padded PyTorch stage (autograd through the loop, which stores every iterate):
+    the kernels keep their recomputation checkpoints in registers. A NaN or ``+inf`` logit makes its own
+    matrix NaN (forward and gradient) and leaves the others untouched; ``-inf``
+    logits are exact zeros as long as every row and column keeps a finite entry.
+    """
+    n = _check_matrices("logits", logits)
+    if isinstance(iters, bool) or not isinstance(iters, int):
+        raise TypeError(f"iters must be an int; got {type(iters).__name__}")
+    if iters < 1:
+        raise ValueError(f"iters must be >= 1; got {iters}")
+    if backward not in _BACKWARDS:
+        raise ValueError(f"backward must be one of {_BACKWARDS}; got {backward!r}")
+    cg = _check_cg_iters(cg_iters)
+    if cg != _NO_CG and backward != "implicit":
+        raise ValueError("cg_iters applies to backward='implicit' only; got backward='unrolled' with cg_iters set")
+    if backward == "unrolled" and iters > MAX_UNROLLED_ITERS:
+        return padded_torch.sinkhorn_torch(logits, iters)
+    if n > MAX_KERNEL_N:
+        if backward == "unrolled":
+            return padded_torch.sinkhorn_torch(logits, iters)
+        return _PaddedImplicit.apply(logits, iters, cg_iters)
+    runtime.check_kernel_device("logits", logits)
+    shape = logits.shape
+    flat = logits.contiguous().view(-1, n, n)
+    if runtime.is_tracing():
+        R = _sinkhorn_forward_op(flat, iters, backward == "unrolled", cg)
+    else:
+        R = _EagerSinkhorn.apply(flat, iters, backward == "unrolled", cg)
+    return R.view(shape)
+
+
+def sinkhorn_backward(R: torch.Tensor, grad_R: torch.Tensor, cg_iters: Optional[int] = None) -> torch.Tensor:
+    """Implicit gradient ``dL/dlogits`` of the converged Sinkhorn projection at ``R``.
+
+    Args:
+        R: ``(..., n, n)`` doubly stochastic matrices (a forward output), float32,
+            bfloat16, float16 or float64.
+        grad_R: ``dL/dR``, the same shape as ``R`` (cast to ``R``'s dtype).
+        cg_iters: ``None`` for the direct solve (default), or a number of
+            conjugate-gradient steps.
+
+    Returns:
+        ``dlogits = R * (grad_R - alpha[:, None] - beta[None, :])`` with ``alpha, beta``
+        making every row and column of ``dlogits`` sum to zero: the solution of
+        ``[[I, R], [R^T, I]] [alpha; beta] = [rowsum(R*dR); colsum(R*dR)]`` when ``R``
+        is exactly doubly stochastic, and of its consistent weighted form
+        (``diag(rowsum R)``, ``diag(colsum R)`` in place of ``I``) otherwise. Same shape
+        and dtype as ``R``. Not differentiable itself.
+    """
+    n = _check_matrices("R", R)
+    if not isinstance(grad_R, torch.Tensor):
+        raise TypeError(f"grad_R must be a torch.Tensor; got {type(grad_R).__name__}")
+    if grad_R.shape != R.shape:
+        raise ValueError(f"grad_R must have the shape of R {tuple(R.shape)}; got {tuple(grad_R.shape)}")
+    if not grad_R.is_floating_point():
+        raise TypeError(f"grad_R must be a floating-point tensor; got {grad_R.dtype}")
+    runtime.check_same_device(R=R, grad_R=grad_R)
+    cg = _check_cg_iters(cg_iters)
+    if n > MAX_KERNEL_N:
+        return padded_torch.implicit_backward_torch(R, grad_R.to(R.dtype), cg_iters)
+    runtime.check_kernel_device("R", R)
+    flat_R = R.detach().contiguous().view(-1, n, n)
+    flat_grad = grad_R.detach().to(R.dtype).contiguous().view(-1, n, n)
+    if runtime.is_tracing():
+        return _implicit_backward_op(flat_R, flat_grad, cg).view(R.shape)
+    return sinkhorn_implicit_backward_triton(flat_R, flat_grad, _cg_or_none(cg)).view(R.shape)

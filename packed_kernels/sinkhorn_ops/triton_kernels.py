@@ -1,0 +1,770 @@
+"""Stage 3: Triton kernels for Sinkhorn normalisation over ``(T, n, n)`` contiguous tokens.
+
+Every token's matrix is independent, so a program takes a tile of ``BLOCK`` tokens
+(``BLOCK * n * n`` contiguous elements: one wide, coalesced load) and keeps the whole
+tile in registers. Each kernel reads its inputs once and writes its output once: all
+iterations happen on chip. Two families:
+
+* tile kernels (any ``n`` up to :data:`MAX_KERNEL_N`): the tile as ``[BLOCK, N, N]``,
+  padded to ``N`` the next power of two of ``n``; padded rows and columns hold exact
+  zeros and never enter a sum;
+* one-token-per-thread kernels (``n`` in :data:`SMALL_N`): the tile split in registers
+  into ``n * n`` vectors of ``BLOCK`` tokens, so that a thread owns whole matrices
+  (see the section below).
+
+Launchers (``*_triton``) take contiguous ``(T, n, n)`` tensors of float32, bfloat16,
+float16 (computed in float32) or float64 (computed in float64) and return a new
+tensor of the input's dtype. Validation happens in :mod:`.api`.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from .. import runtime  # noqa: F401  (decides interpret vs compile before @triton.jit)
+
+#: Largest n the kernels take; :mod:`.api` uses the padded PyTorch stage beyond it.
+MAX_KERNEL_N = 32
+#: Most iterations the unrolled-backward kernels recompute on chip (their checkpoints
+#: live in registers); :mod:`.api` uses the padded PyTorch stage beyond it.
+MAX_UNROLLED_ITERS = 128
+
+
+@triton.jit
+def _tile(tile_start, num_tokens, n: tl.constexpr, N: tl.constexpr, BLOCK: tl.constexpr):
+    """Offsets ``[BLOCK, N, N]`` of a tile of tokens and the mask of real entries."""
+    tok = tile_start + tl.arange(0, BLOCK)
+    rows = tl.arange(0, N)
+    cols = tl.arange(0, N)
+    offsets = tok[:, None, None] * (n * n) + rows[None, :, None] * n + cols[None, None, :]
+    mask = (tok[:, None, None] < num_tokens) & (rows[None, :, None] < n) & (cols[None, None, :] < n)
+    return offsets, mask
+
+
+@triton.jit
+def _load_tile(ptr, offsets, mask, tile_start, num_tokens, n: tl.constexpr, N: tl.constexpr,
+               BLOCK: tl.constexpr, FLAT: tl.constexpr, COMPUTE: tl.constexpr):
+    """The ``[BLOCK, N, N]`` tile, 0 outside ``mask``, converted to ``COMPUTE``.
+
+    ``FLAT`` (only when ``n == N``): load the tile as one ``[BLOCK, n*n]`` contiguous
+    block and reshape it in registers, instead of three-dimensional offsets.
+    """
+    if FLAT:
+        flat = (tile_start + tl.arange(0, BLOCK))[:, None] * (n * n) + tl.arange(0, N * N)[None, :]
+        x = tl.load(ptr + flat, mask=flat < num_tokens * (n * n), other=0.0)
+        return tl.reshape(x, (BLOCK, N, N)).to(COMPUTE)
+    else:
+        return tl.load(ptr + offsets, mask=mask, other=0.0).to(COMPUTE)
+
+
+@triton.jit
+def _store_tile(ptr, value, offsets, mask, tile_start, num_tokens, n: tl.constexpr, N: tl.constexpr,
+                BLOCK: tl.constexpr, FLAT: tl.constexpr):
+    value = value.to(ptr.dtype.element_ty)
+    if FLAT:
+        flat = (tile_start + tl.arange(0, BLOCK))[:, None] * (n * n) + tl.arange(0, N * N)[None, :]
+        tl.store(ptr + flat, tl.reshape(value, (BLOCK, N * N)), mask=flat < num_tokens * (n * n))
+    else:
+        tl.store(ptr + offsets, value, mask=mask)
+
+
+@triton.jit
+def _reciprocal(x, FAST: tl.constexpr):
+    # rcp.approx: one special-function instruction (<= 1 ulp), where 1/x costs several
+    if FAST:
+        return tl.inline_asm_elementwise("rcp.approx.ftz.f32 $0, $1;", "=r,r", [x],
+                                         dtype=tl.float32, is_pure=True, pack=1)
+    else:
+        return 1.0 / x
+
+
+@triton.jit
+def _exp_column_shifted(x, mask):
+    """``exp(x - max over each column)``, exact zeros outside ``mask``.
+
+    ``x`` holds 0 outside ``mask`` (so padded lanes compute ``0 - (-inf)``, never
+    ``-inf - (-inf)``); a NaN or ``+inf`` logit still gives NaN in its matrix.
+    """
+    col_max = tl.max(tl.where(mask, x, float("-inf")), axis=1)
+    return tl.exp(tl.where(mask, x - col_max[:, None, :], float("-inf")))
+
+
+@triton.jit
+def _sinkhorn_step(E, pad_cols, pad_rows, FAST: tl.constexpr):
+    """One iteration: divide by column sums, then by row sums (by reciprocals).
+
+    ``pad_cols``/``pad_rows`` mark padded columns/rows, whose zero sums are replaced
+    by 1 so that no ``0 * inf`` appears; a real zero sum still gives NaN, as in the
+    reference.
+    """
+    col_sum = tl.where(pad_cols, 1.0, tl.sum(E, axis=1))
+    E = E * _reciprocal(col_sum, FAST)[:, None, :]
+    row_sum = tl.where(pad_rows, 1.0, tl.sum(E, axis=2))
+    E = E * _reciprocal(row_sum, FAST)[:, :, None]
+    return E
+
+
+@triton.jit
+def _pads(tile_start, num_tokens, n: tl.constexpr, N: tl.constexpr, BLOCK: tl.constexpr):
+    tok = tile_start + tl.arange(0, BLOCK)
+    idx = tl.arange(0, N)
+    pad = (tok[:, None] >= num_tokens) | (idx[None, :] >= n)
+    return pad  # [BLOCK, N]: the same mask serves rows and columns
+
+
+@triton.jit
+def sinkhorn_forward_kernel(logits_ptr, out_ptr, num_tokens, iters,
+                            n: tl.constexpr, N: tl.constexpr, BLOCK: tl.constexpr,
+                            FLAT: tl.constexpr, FAST: tl.constexpr, COMPUTE: tl.constexpr):
+    """Forward: ``R = S^iters(exp(X - colmax X))`` per token, ``S`` = column then row normalisation.
+
+    ``S(E) = D_r^{-1} (E D_c^{-1})`` with ``D_c = diag(colsum E)`` and
+    ``D_r = diag(rowsum(E D_c^{-1}))``. Every iterate is ``diag(u) K diag(v)`` with
+    ``K = exp(X - colmax X)``, so the kernel iterates on the scaling vectors:
+    ``v = 1 / (K^T u)`` (column step), ``u = 1 / (K v)`` (row step), from ``u = 1``,
+    and forms ``R = diag(u) K diag(v)`` once: one multiply-add per entry and
+    half-step instead of a sum and a rescaling of the matrix. Reads ``X`` once,
+    writes ``R`` once.
+    """
+    tile_start = tl.program_id(0) * BLOCK
+    offsets, mask = _tile(tile_start, num_tokens, n, N, BLOCK)
+    pad = _pads(tile_start, num_tokens, n, N, BLOCK)
+    x = _load_tile(logits_ptr, offsets, mask, tile_start, num_tokens, n, N, BLOCK, FLAT, COMPUTE)
+    K = _exp_column_shifted(x, mask)
+    u = tl.full((BLOCK, N), 1.0, COMPUTE)
+    v = u
+    for _ in range(iters):
+        # padded rows and columns: sum 0, replaced by 1 (their K entries are 0 anyway)
+        v = _reciprocal(tl.where(pad, 1.0, tl.sum(K * u[:, :, None], axis=1)), FAST)
+        u = _reciprocal(tl.where(pad, 1.0, tl.sum(K * v[:, None, :], axis=2)), FAST)
+    R = K * u[:, :, None] * v[:, None, :]
+    _store_tile(out_ptr, R, offsets, mask, tile_start, num_tokens, n, N, BLOCK, FLAT)
+
+
+@triton.jit
+def sinkhorn_unrolled_backward_kernel(logits_ptr, grad_ptr, out_ptr, num_tokens, iters, seg_len, num_segs,
+                                      n: tl.constexpr, N: tl.constexpr, BLOCK: tl.constexpr,
+                                      SEGS: tl.constexpr, SEG: tl.constexpr, FLAT: tl.constexpr,
+                                      FAST: tl.constexpr, COMPUTE: tl.constexpr):
+    """Exact reverse mode through the ``iters``-step map, forward recomputed on chip.
+
+    Half-step ``Y = X / s`` (``s`` the sums of ``X`` along one axis) has the
+    vector-Jacobian product ``dX = (dY - sum(dY * Y)) / s`` along that axis; a step
+    is a column half-step then a row half-step, and finally ``dlogits = dE0 * E0``
+    (the column-max shift has zero gradient: ``dE0 * E0`` has zero column sums).
+
+    Reverse mode needs the iterates in reverse order without storing them in memory.
+    Checkpoints: iterations are cut into ``num_segs`` segments of ``seg_len``; a first
+    forward sweep keeps the matrix at each segment start (``[BLOCK, SEGS, N, N]`` in
+    registers); then, last segment first, the segment is recomputed from its
+    checkpoint keeping only its column and row sums (``[BLOCK, SEG, N]`` each), and
+    walked backwards: ``C_t = E_t * r_t``, ``E_{t-1} = C_t * c_t``. About ``2 iters``
+    forward steps plus ``iters`` reverse steps; memory traffic: read ``X`` and ``dR``,
+    write ``dX``.
+    """
+    tile_start = tl.program_id(0) * BLOCK
+    offsets, mask = _tile(tile_start, num_tokens, n, N, BLOCK)
+    pad = _pads(tile_start, num_tokens, n, N, BLOCK)
+    x = _load_tile(logits_ptr, offsets, mask, tile_start, num_tokens, n, N, BLOCK, FLAT, COMPUTE)
+    G = _load_tile(grad_ptr, offsets, mask, tile_start, num_tokens, n, N, BLOCK, FLAT, COMPUTE)
+    E0 = _exp_column_shifted(x, mask)
+
+    seg_ids = tl.arange(0, SEGS)[None, :, None, None]
+    checkpoints = tl.zeros((BLOCK, SEGS, N, N), dtype=COMPUTE)
+    E = E0
+    for s in range(num_segs):
+        checkpoints = tl.where(seg_ids == s, E[:, None, :, :], checkpoints)
+        for _ in range(s * seg_len, tl.minimum(s * seg_len + seg_len, iters)):
+            E = _sinkhorn_step(E, pad, pad, FAST)
+
+    step_ids = tl.arange(0, SEG)[None, :, None]
+    for s_back in range(num_segs):
+        s = num_segs - 1 - s_back
+        count = tl.minimum(seg_len, iters - s * seg_len)
+        E = tl.sum(tl.where(seg_ids == s, checkpoints, 0.0), axis=1)
+        col_sums = tl.zeros((BLOCK, SEG, N), dtype=COMPUTE)
+        row_sums = tl.zeros((BLOCK, SEG, N), dtype=COMPUTE)
+        for k in range(count):
+            col_sum = tl.where(pad, 1.0, tl.sum(E, axis=1))
+            E = E * _reciprocal(col_sum, FAST)[:, None, :]
+            row_sum = tl.where(pad, 1.0, tl.sum(E, axis=2))
+            E = E * _reciprocal(row_sum, FAST)[:, :, None]
+            col_sums = tl.where(step_ids == k, col_sum[:, None, :], col_sums)
+            row_sums = tl.where(step_ids == k, row_sum[:, None, :], row_sums)
+        for k_back in range(count):
+            k = count - 1 - k_back
+            col_sum = tl.sum(tl.where(step_ids == k, col_sums, 0.0), axis=1)
+            row_sum = tl.sum(tl.where(step_ids == k, row_sums, 0.0), axis=1)
+            # row half-step: E = C / row_sum
+            dC = (G - tl.sum(G * E, axis=2)[:, :, None]) * _reciprocal(row_sum, FAST)[:, :, None]
+            C = E * row_sum[:, :, None]
+            # column half-step: C = E_prev / col_sum
+            G = (dC - tl.sum(dC * C, axis=1)[:, None, :]) * _reciprocal(col_sum, FAST)[:, None, :]
+            E = C * col_sum[:, None, :]
+    _store_tile(out_ptr, G * E0, offsets, mask, tile_start, num_tokens, n, N, BLOCK, FLAT)
+
+
+@triton.jit
+def _row_of(M, i, N: tl.constexpr):
+    """Row ``i`` of each ``[N, N]`` matrix in ``M`` (``[BLOCK, N, N]`` -> ``[BLOCK, N]``)."""
+    rows = tl.arange(0, N)[None, :, None]
+    return tl.sum(tl.where(rows == i, M, 0.0), axis=1)
+
+
+@triton.jit
+def _entry_of(v, i, N: tl.constexpr):
+    """Entry ``i`` of each vector in ``v`` (``[BLOCK, N]`` -> ``[BLOCK]``)."""
+    return tl.sum(tl.where(tl.arange(0, N)[None, :] == i, v, 0.0), axis=1)
+
+
+@triton.jit
+def sinkhorn_implicit_backward_kernel(R_ptr, grad_ptr, out_ptr, num_tokens, cg_iters, rounding_floor, cut,
+                                      n: tl.constexpr, N: tl.constexpr, BLOCK: tl.constexpr,
+                                      USE_CG: tl.constexpr, FLAT: tl.constexpr, COMPUTE: tl.constexpr):
+    """Implicit gradient of the converged projection: ``dX = R * (dR - alpha_i - beta_j)``.
+
+    ``alpha, beta`` make every row and column of ``dX`` sum to zero:
+    ``diag(r) alpha + R beta = a`` and ``R^T alpha + diag(c) beta = b`` with
+    ``a, b`` the row and column sums of ``R * dR`` and ``r, c`` those of ``R`` (for a
+    doubly stochastic ``R`` this is ``[[I, R], [R^T, I]] [alpha; beta] = [a; b]``).
+    With ``alpha = (a - R beta) / r``: ``L beta = h``, ``h = b - R^T (a / r)``, where
+    ``L`` is the Laplacian of the column graph ``W = R^T diag(1/r) R`` (off-diagonal).
+    ``L`` is singular (null vector ``1``; the null direction ``(1, -1)`` of the full
+    system) and the system is consistent for any ``R``.
+
+    Direct solve (default): ground ``beta_0 = 0`` and eliminate columns ``n-1 .. 1``
+    (Kron reduction, the Grassmann-Taksar-Heyman order): each pivot is the sum of
+    the remaining edge weights and each update ``W[j,q] += W[j,p] W[p,q] / d_p`` adds
+    non-negative numbers, so no cancellation occurs however close ``R`` is to a
+    permutation. A pivot at or below ``cut * colsum_p`` (``cut`` = the unit roundoff
+    of the compute dtype) marks a block of columns linked to the rest only through
+    entries of ``R`` below rounding level: that link is cut and the block's offset
+    set by ``beta_p = 0``. Solving through such a link would divide the block's
+    rounding noise in ``h`` by the tiny pivot, giving a huge common offset to the
+    block's ``alpha, beta`` whose cancellation in ``alpha_i + beta_j`` would wipe out
+    the in-block gradient; cutting it changes only the gradient of the sub-rounding
+    entries, by about ``cut`` times the gradient's scale.
+    ``USE_CG``: ``cg_iters`` conjugate-gradient steps on ``(L + cut diag(c)) beta = h``
+    instead: the shift plays the part of the cut, damping the modes of ``L`` below
+    rounding level rather than dividing rounding noise by them.
+    """
+    tile_start = tl.program_id(0) * BLOCK
+    offsets, mask = _tile(tile_start, num_tokens, n, N, BLOCK)
+    R = _load_tile(R_ptr, offsets, mask, tile_start, num_tokens, n, N, BLOCK, FLAT, COMPUTE)
+    dR = _load_tile(grad_ptr, offsets, mask, tile_start, num_tokens, n, N, BLOCK, FLAT, COMPUTE)
+    idx = tl.arange(0, N)[None, :]
+    rows3 = tl.arange(0, N)[None, :, None]
+    cols3 = tl.arange(0, N)[None, None, :]
+
+    G = R * dR
+    a = tl.sum(G, axis=2)
+    b = tl.sum(G, axis=1)
+    r = tl.sum(R, axis=2)
+    inv_r = tl.where(r > 0, 1.0 / tl.where(r > 0, r, 1.0), 0.0)
+    W = tl.zeros((BLOCK, N, N), dtype=COMPUTE)
+    for i in range(n):
+        R_i = _row_of(R, i, N)
+        W += (R_i * _entry_of(inv_r, i, N)[:, None])[:, :, None] * R_i[:, None, :]
+    h = b - tl.sum(R * (inv_r * a)[:, :, None], axis=1)
+
+    if USE_CG:
+        W = tl.where(rows3 == cols3, 0.0, W)
+        # shifted by cut * column mass: damps the modes below rounding level (see padded_torch)
+        degree = tl.sum(W, axis=2) + cut * tl.sum(R, axis=1)
+        h = h - (tl.sum(h, axis=1) / n)[:, None]
+        h = tl.where(idx < n, h, 0.0)
+        beta = tl.zeros((BLOCK, N), dtype=COMPUTE)
+        residual = h
+        direction = h
+        rs = tl.sum(h * h, axis=1)
+        # a matrix stops once its residual is at rounding level (see padded_torch)
+        floor = rs * rounding_floor
+        for _ in range(cg_iters):
+            Ld = degree * direction - tl.sum(W * direction[:, None, :], axis=2)
+            dLd = tl.sum(direction * Ld, axis=1)
+            live = (dLd > 0) & (rs > floor)
+            step = tl.where(live, rs / tl.where(live, dLd, 1.0), 0.0)
+            beta += step[:, None] * direction
+            residual -= step[:, None] * Ld
+            rs_new = tl.sum(residual * residual, axis=1)
+            ratio = tl.where(rs > 0, rs_new / tl.where(rs > 0, rs, 1.0), 0.0)
+            direction = residual + ratio[:, None] * direction
+            rs = rs_new
+    else:
+        col_mass = tl.sum(R, axis=1)
+        pivots = tl.zeros((BLOCK, N), dtype=COMPUTE)
+        for k in range(n - 1):
+            p = n - 1 - k
+            w_p = tl.where(idx < p, _row_of(W, p, N), 0.0)
+            pivot = tl.sum(w_p, axis=1)
+            # Links weaker than rounding level are cut (see the docstring).
+            linked = pivot > cut * _entry_of(col_mass, p, N)
+            pivot = tl.where(linked, pivot, 0.0)
+            scaled = tl.where(linked[:, None], w_p / tl.where(linked, pivot, 1.0)[:, None], 0.0)
+            W += scaled[:, :, None] * w_p[:, None, :]
+            h += scaled * _entry_of(h, p, N)[:, None]
+            pivots = tl.where(idx == p, pivot[:, None], pivots)
+        # Eliminating p only touched entries below p, so row p of W and h[p] still
+        # hold their values at p's elimination.
+        beta = tl.zeros((BLOCK, N), dtype=COMPUTE)
+        for p in range(1, n):
+            w_p = tl.where(idx < p, _row_of(W, p, N), 0.0)
+            pivot = _entry_of(pivots, p, N)
+            linked = pivot > 0
+            beta_p = (_entry_of(h, p, N) + tl.sum(w_p * beta, axis=1)) / tl.where(linked, pivot, 1.0)
+            beta = tl.where(idx == p, tl.where(linked, beta_p, 0.0)[:, None], beta)
+
+    alpha = inv_r * (a - tl.sum(R * beta[:, None, :], axis=2))
+    dX = R * (dR - alpha[:, :, None] - beta[:, None, :])
+    _store_tile(out_ptr, dX, offsets, mask, tile_start, num_tokens, n, N, BLOCK, FLAT)
+
+
+# ---------------------------------------------------------------------------------------
+# One token per thread, for n = 2, 4, 8.
+#
+# The kernels above spread a token's matrix over several threads (Triton lays a
+# [BLOCK, N, N] tile out for wide loads), so every column sum is a cross-thread
+# shuffle and every reciprocal is computed by several threads. For small n the
+# arithmetic, not the memory, then sets the time. Here the tile is loaded as one
+# coalesced [BLOCK, n*n] block and split in registers into n*n vectors of BLOCK
+# tokens (a tuple), so that a thread owns whole matrices and all sums are plain
+# additions. The forward also iterates on the scaling vectors instead of the matrix.
+
+
+@triton.constexpr_function
+def _bit_reversed(index, bits):
+    index, bits = int(index), int(bits)
+    return int(format(index, f"0{bits}b")[::-1], 2) if bits else 0
+
+
+@triton.jit
+def _split_entries(x, BLOCK: tl.constexpr, NN: tl.constexpr, BITS: tl.constexpr):
+    """``[BLOCK, NN]`` -> tuple of ``NN`` vectors ``[BLOCK]``, entry ``k`` at index ``bit_reversed(k)``."""
+    parts = (x,)
+    for level in tl.static_range(BITS):
+        new = ()
+        for p in tl.static_range(1 << level):
+            a, b = tl.split(tl.reshape(parts[p], (BLOCK, NN >> (level + 1), 2)))
+            new = new + (a, b)
+        parts = new
+    entries = ()
+    for p in tl.static_range(NN):
+        entries = entries + (tl.reshape(parts[_bit_reversed(p, BITS)], (BLOCK,)),)
+    return entries
+
+
+@triton.jit
+def _join_entries(entries, BLOCK: tl.constexpr, NN: tl.constexpr, BITS: tl.constexpr):
+    """Inverse of :func:`_split_entries`: tuple of ``NN`` vectors (natural order) -> ``[BLOCK, NN]``."""
+    parts = ()
+    for p in tl.static_range(NN):
+        parts = parts + (entries[_bit_reversed(p, BITS)],)
+    if BITS == 0:
+        return tl.reshape(parts[0], (BLOCK, 1))
+    for level in tl.static_range(BITS):
+        new = ()
+        for p in tl.static_range(1 << (BITS - 1 - level)):
+            new = new + (tl.reshape(tl.join(parts[2 * p], parts[2 * p + 1]), (BLOCK, 2 << level)),)
+        parts = new
+    return parts[0]
+
+
+@triton.jit
+def _reciprocal_newton(x):
+    """``1/x`` by multiply-adds only, to unload the special-function unit (float32, normal x).
+
+    A bit-level first guess (the exponent negated, about 12% off) and three Newton
+    steps ``y <- y + y (1 - x y)``, each squaring the relative error: 0.12 -> 1.4e-2 ->
+    2e-4 -> 4e-8, below float32 rounding.
+    """
+    y = (0x7EF311C3 - x.to(tl.int32, bitcast=True)).to(tl.float32, bitcast=True)
+    for _ in tl.static_range(3):
+        y = y + y * (1.0 - x * y)
+    return y
+
+
+@triton.jit
+def sinkhorn_forward_small_kernel(logits_ptr, out_ptr, num_tokens, iters,
+                                  n: tl.constexpr, BITS: tl.constexpr, BLOCK: tl.constexpr,
+                                  FAST: tl.constexpr, COMPUTE: tl.constexpr, NEWTON: tl.constexpr = 0):
+    """Forward for ``n`` in 2, 4, 8, one token per thread, on the scaling vectors.
+
+    With ``K = exp(X - colmax X)``, every iterate is ``diag(u) K diag(v)``: the column
+    step sets ``v = 1 / (K^T u)``, the row step ``u = 1 / (K v)`` (``u = 1`` at the
+    start), and ``R = diag(u) K diag(v)`` at the end: the same map as the matrix
+    iterations, in ``2 n^2`` multiply-adds and ``2n`` reciprocals per iteration.
+    ``NEWTON`` of the ``n`` reciprocals of each half-step use :func:`_reciprocal_newton`
+    (float32 only), balancing the special-function unit against the multiply-add units.
+    """
+    NN: tl.constexpr = n * n
+    tok = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    offsets = tok[:, None] * NN + tl.arange(0, NN)[None, :]
+    mask = tok[:, None] < num_tokens
+    x = _split_entries(tl.load(logits_ptr + offsets, mask=mask, other=0.0).to(COMPUTE), BLOCK, NN, BITS)
+    K = ()  # K[j][i]: column j
+    for j in tl.static_range(n):
+        col_max = x[j]
+        for i in tl.static_range(1, n):
+            col_max = tl.maximum(col_max, x[i * n + j])
+        column = ()
+        for i in tl.static_range(n):
+            column = column + (tl.exp(x[i * n + j] - col_max),)
+        K = K + (column,)
+    u = ()
+    for i in tl.static_range(n):
+        u = u + (tl.full((BLOCK,), 1.0, COMPUTE),)
+    v = u
+    for _ in range(iters):
+        v = ()
+        for j in tl.static_range(n):
+            col_sum = K[j][0] * u[0]
+            for i in tl.static_range(1, n):
+                col_sum += K[j][i] * u[i]
+            if j < NEWTON:
+                v = v + (_reciprocal_newton(col_sum),)
+            else:
+                v = v + (_reciprocal(col_sum, FAST),)
+        u = ()
+        for i in tl.static_range(n):
+            row_sum = K[0][i] * v[0]
+            for j in tl.static_range(1, n):
+                row_sum += K[j][i] * v[j]
+            if i < NEWTON:
+                u = u + (_reciprocal_newton(row_sum),)
+            else:
+                u = u + (_reciprocal(row_sum, FAST),)
+    R = ()
+    for k in tl.static_range(NN):
+        R = R + (u[k // n] * K[k % n][k // n] * v[k % n],)
+    out = _join_entries(R, BLOCK, NN, BITS)
+    tl.store(out_ptr + offsets, out.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def sinkhorn_implicit_backward_small_kernel(R_ptr, grad_ptr, out_ptr, num_tokens, cut,
+                                            n: tl.constexpr, BITS: tl.constexpr, BLOCK: tl.constexpr,
+                                            COMPUTE: tl.constexpr):
+    """The direct implicit backward of :func:`sinkhorn_implicit_backward_kernel`, one token per thread.
+
+    Same equations and the same elimination (Kron reduction onto column 0, links
+    below ``cut * colsum`` cut), written out entry by entry for ``n`` in 2, 4, 8.
+    """
+    NN: tl.constexpr = n * n
+    tok = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    offsets = tok[:, None] * NN + tl.arange(0, NN)[None, :]
+    mask = tok[:, None] < num_tokens
+    R = _split_entries(tl.load(R_ptr + offsets, mask=mask, other=0.0).to(COMPUTE), BLOCK, NN, BITS)
+    dR = _split_entries(tl.load(grad_ptr + offsets, mask=mask, other=0.0).to(COMPUTE), BLOCK, NN, BITS)
+    zero = tl.zeros((BLOCK,), dtype=COMPUTE)
+    a = ()
+    inv_r = ()
+    for i in tl.static_range(n):
+        a_i = R[i * n] * dR[i * n]
+        r_i = R[i * n]
+        for j in tl.static_range(1, n):
+            a_i += R[i * n + j] * dR[i * n + j]
+            r_i += R[i * n + j]
+        a = a + (a_i,)
+        inv_r = inv_r + (tl.where(r_i > 0, 1.0 / tl.where(r_i > 0, r_i, 1.0), 0.0),)
+    h = ()
+    col_mass = ()
+    for j in tl.static_range(n):
+        h_j = R[j] * (dR[j] - inv_r[0] * a[0])
+        c_j = R[j]
+        for i in tl.static_range(1, n):
+            h_j += R[i * n + j] * (dR[i * n + j] - inv_r[i] * a[i])
+            c_j += R[i * n + j]
+        h = h + (h_j,)
+        col_mass = col_mass + (c_j,)
+    # edge weights W[j * n + k] = sum_i R[i, j] R[i, k] / r_i (diagonal unused)
+    W = ()
+    for j in tl.static_range(n):
+        for k in tl.static_range(n):
+            w = zero
+            if j != k:
+                for i in tl.static_range(n):
+                    w += R[i * n + j] * inv_r[i] * R[i * n + k]
+            W = W + (w,)
+    inv_pivots = ()  # inv_pivots[n - 1 - p]: 1 / pivot of column p (0 where cut)
+    for p in tl.static_range(n - 1, 0, -1):
+        pivot = W[p * n]
+        for q in tl.static_range(1, p):
+            pivot += W[p * n + q]
+        linked = pivot > cut * col_mass[p]
+        inv = tl.where(linked, 1.0 / tl.where(linked, pivot, 1.0), 0.0)
+        new_W = ()
+        for j in tl.static_range(n):
+            for k in tl.static_range(n):
+                if j < p and k < p and j != k:
+                    new_W = new_W + (W[j * n + k] + W[p * n + j] * inv * W[p * n + k],)
+                else:
+                    new_W = new_W + (W[j * n + k],)
+        new_h = ()
+        for j in tl.static_range(n):
+            if j < p:
+                new_h = new_h + (h[j] + W[p * n + j] * inv * h[p],)
+            else:
+                new_h = new_h + (h[j],)
+        W = new_W
+        h = new_h
+        inv_pivots = inv_pivots + (inv,)
+    beta = (zero,)
+    for p in tl.static_range(1, n):
+        acc = h[p]
+        for q in tl.static_range(p):
+            acc += W[p * n + q] * beta[q]
+        beta = beta + (acc * inv_pivots[n - 1 - p],)
+    out = ()
+    for i in tl.static_range(n):
+        s_i = R[i * n] * beta[0]
+        for j in tl.static_range(1, n):
+            s_i += R[i * n + j] * beta[j]
+        alpha_i = inv_r[i] * (a[i] - s_i)
+        for j in tl.static_range(n):
+            out = out + (R[i * n + j] * (dR[i * n + j] - alpha_i - beta[j]),)
+    dX = _join_entries(out, BLOCK, NN, BITS)
+    tl.store(out_ptr + offsets, dX.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def sinkhorn_unrolled_backward_small_kernel(logits_ptr, grad_ptr, out_ptr, num_tokens,
+                                            n: tl.constexpr, BITS: tl.constexpr, ITERS: tl.constexpr,
+                                            BLOCK: tl.constexpr, FAST: tl.constexpr, COMPUTE: tl.constexpr):
+    """Unrolled backward, one token per thread, for ``n`` = 2, 4 and up to 32 / 24 iterations.
+
+    Reverse mode on the scaling-vector form of the forward (see
+    :func:`sinkhorn_forward_small_kernel`): ``p_t = K^T u_{t-1}``, ``v_t = 1/p_t``,
+    ``q_t = K v_t``, ``u_t = 1/q_t``, ``R = diag(u_T) K diag(v_T)``. With ``dK``
+    accumulating every use of ``K``:
+
+    * ``dK = dR * u_T v_T^T``, ``du_T = rowsum(dR * R) / u_T``, ``dv_T = colsum(dR * R) / v_T``;
+    * for ``t = T .. 1``: ``dq = -du_t u_t^2``; ``dv_t += K^T dq``; ``dK += dq v_t^T``;
+      ``dp = -dv_t v_t^2``; ``du_{t-1} = K dp``; ``dK += u_{t-1} dp^T``;
+    * ``dX = dK * K`` (the column-max shift has zero gradient).
+
+    The ``2 ITERS + 1`` scaling vectors (``2n`` numbers per iteration) stay in
+    registers: the iterations are unrolled at compile time (``ITERS`` is a
+    compile-time constant), so nothing but ``X``, ``dR`` and ``dX`` touches memory.
+    """
+    NN: tl.constexpr = n * n
+    tok = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    offsets = tok[:, None] * NN + tl.arange(0, NN)[None, :]
+    mask = tok[:, None] < num_tokens
+    x = _split_entries(tl.load(logits_ptr + offsets, mask=mask, other=0.0).to(COMPUTE), BLOCK, NN, BITS)
+    K = ()  # natural order k = i * n + j
+    for k in tl.static_range(NN):
+        col_max = x[k % n]
+        for i in tl.static_range(1, n):
+            col_max = tl.maximum(col_max, x[i * n + k % n])
+        K = K + (tl.exp(x[k] - col_max),)
+    u = ()
+    for i in tl.static_range(n):
+        u = u + (tl.full((BLOCK,), 1.0, COMPUTE),)
+    us = (u,)  # us[t] = u_t
+    vs = ()  # vs[t - 1] = v_t
+    for _ in tl.static_range(ITERS):
+        v = ()
+        for j in tl.static_range(n):
+            col_sum = K[j] * u[0]
+            for i in tl.static_range(1, n):
+                col_sum += K[i * n + j] * u[i]
+            v = v + (_reciprocal(col_sum, FAST),)
+        u = ()
+        for i in tl.static_range(n):
+            row_sum = K[i * n] * v[0]
+            for j in tl.static_range(1, n):
+                row_sum += K[i * n + j] * v[j]
+            u = u + (_reciprocal(row_sum, FAST),)
+        us = us + (u,)
+        vs = vs + (v,)
+    G = _split_entries(tl.load(grad_ptr + offsets, mask=mask, other=0.0).to(COMPUTE), BLOCK, NN, BITS)
+    u = us[ITERS]  # v: the last iteration's, from the forward loop
+    dK = ()
+    for k in tl.static_range(NN):
+        dK = dK + (G[k] * u[k // n] * v[k % n],)
+    du = ()
+    for i in tl.static_range(n):
+        acc = dK[i * n] * K[i * n]
+        for j in tl.static_range(1, n):
+            acc += dK[i * n + j] * K[i * n + j]
+        du = du + (acc * _reciprocal(u[i], FAST),)
+    dv_out = ()
+    for j in tl.static_range(n):
+        acc = dK[j] * K[j]
+        for i in tl.static_range(1, n):
+            acc += dK[i * n + j] * K[i * n + j]
+        dv_out = dv_out + (acc * _reciprocal(v[j], FAST),)
+    for back in tl.static_range(ITERS):
+        u_t = us[ITERS - back]
+        u_prev = us[ITERS - back - 1]
+        v_t = vs[ITERS - back - 1]
+        dq = ()
+        for i in tl.static_range(n):
+            dq = dq + (-du[i] * u_t[i] * u_t[i],)
+        dp = ()
+        for j in tl.static_range(n):
+            acc = K[j] * dq[0]
+            for i in tl.static_range(1, n):
+                acc += K[i * n + j] * dq[i]
+            if back == 0:
+                acc += dv_out[j]
+            dp = dp + (-acc * v_t[j] * v_t[j],)
+        du = ()
+        for i in tl.static_range(n):
+            acc = K[i * n] * dp[0]
+            for j in tl.static_range(1, n):
+                acc += K[i * n + j] * dp[j]
+            du = du + (acc,)
+        new_dK = ()
+        for k in tl.static_range(NN):
+            new_dK = new_dK + (dK[k] + dq[k // n] * v_t[k % n] + u_prev[k // n] * dp[k % n],)
+        dK = new_dK
+    dX = ()
+    for k in tl.static_range(NN):
+        dX = dX + (dK[k] * K[k],)
+    out = _join_entries(dX, BLOCK, NN, BITS)
+    tl.store(out_ptr + offsets, out.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+# ---------------------------------------------------------------------------------------
+# launchers
+
+
+def _compute_dtype(dtype: torch.dtype):
+    return tl.float64 if dtype == torch.float64 else tl.float32
+
+
+def _block_tokens(N: int, elements_per_program: int) -> int:
+    return max(1, elements_per_program // (N * N))
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+def _warps(BLOCK: int, N: int) -> int:
+    return 4 if BLOCK * N * N <= 2048 else 8
+
+
+def _flat(n: int, N: int, flat) -> bool:
+    return (n == N) if flat is None else bool(flat) and n == N
+
+
+#: n handled by the one-token-per-thread kernels
+SMALL_N = (2, 4, 8)
+
+
+def _small_block(n: int, dtype: torch.dtype) -> int:
+    # one token per thread (BLOCK // 32 warps); fewer tokens where a token needs many registers
+    return 128 if n <= 4 and dtype != torch.float64 else 64
+
+
+def _fast(dtype: torch.dtype) -> bool:
+    return dtype != torch.float64 and not runtime.INTERPRETED
+
+
+def sinkhorn_forward_triton(logits: torch.Tensor, iters: int, *, block: int = 0, num_warps: int = 0,
+                            flat=None, tile: bool = False, newton: int = 0) -> torch.Tensor:
+    """``(T, n, n)`` contiguous logits -> ``(T, n, n)`` doubly stochastic (approximately) ``R``.
+
+    ``n`` in :data:`SMALL_N` uses the one-token-per-thread kernel unless ``tile``.
+    """
+    T, n, _ = logits.shape
+    out = torch.empty_like(logits)
+    if T == 0:
+        return out
+    N = _pow2(n)
+    if n in SMALL_N and not tile:
+        BLOCK = block or _small_block(n, logits.dtype)
+        grid = (triton.cdiv(T, BLOCK),)
+        sinkhorn_forward_small_kernel[grid](logits, out, T, iters, n=n, BITS=2 * (N.bit_length() - 1),
+                                            BLOCK=BLOCK, FAST=_fast(logits.dtype),
+                                            NEWTON=newton if logits.dtype != torch.float64 else 0,
+                                            COMPUTE=_compute_dtype(logits.dtype),
+                                            num_warps=num_warps or max(1, BLOCK // 32))
+        return out
+    BLOCK = block or _block_tokens(N, 2048)
+    grid = (triton.cdiv(T, BLOCK),)
+    sinkhorn_forward_kernel[grid](logits, out, T, iters, n=n, N=N, BLOCK=BLOCK, FLAT=_flat(n, N, flat),
+                                  FAST=_fast(logits.dtype),
+                                  COMPUTE=_compute_dtype(logits.dtype),
+                                  num_warps=num_warps or _warps(BLOCK, N))
+    return out
+
+
+def segments(iters: int):
+    """``(seg_len, num_segs, SEG, SEGS)``: checkpoint segments minimising registers per token."""
+    best = None
+    seg_len = 1
+    while True:
+        num_segs = math.ceil(iters / seg_len)
+        cost = _pow2(num_segs) * 4 + 2 * seg_len  # checkpoint matrices weigh more than sums
+        if best is None or cost < best[0]:
+            best = (cost, seg_len, num_segs)
+        if seg_len >= iters:
+            break
+        seg_len *= 2
+    _, seg_len, num_segs = best
+    return seg_len, num_segs, seg_len, _pow2(num_segs)
+
+
+#: most iterations the unrolled one-token-per-thread backward keeps in registers, per n
+SMALL_MAX_ITERS = {2: 32, 4: 24, 8: 0}
+
+
+def sinkhorn_unrolled_backward_triton(logits: torch.Tensor, grad_R: torch.Tensor, iters: int, *,
+                                      block: int = 0, num_warps: int = 0, flat=None,
+                                      tile: bool = False) -> torch.Tensor:
+    """``(T, n, n)`` logits and ``dL/dR`` -> ``dL/dlogits`` of the ``iters``-step map."""
+    T, n, _ = logits.shape
+    out = torch.empty_like(logits)
+    if T == 0:
+        return out
+    N = _pow2(n)
+    if n in SMALL_N and iters <= SMALL_MAX_ITERS[n] and not tile:
+        BLOCK = block or _small_block(n, logits.dtype)
+        grid = (triton.cdiv(T, BLOCK),)
+        sinkhorn_unrolled_backward_small_kernel[grid](logits, grad_R, out, T, n=n, BITS=2 * (N.bit_length() - 1),
+                                                      ITERS=iters, BLOCK=BLOCK, FAST=_fast(logits.dtype),
+                                                      COMPUTE=_compute_dtype(logits.dtype),
+                                                      num_warps=num_warps or max(1, BLOCK // 32))
+        return out
+    seg_len, num_segs, SEG, SEGS = segments(iters)
+    BLOCK = block or _block_tokens(N, 512)
+    grid = (triton.cdiv(T, BLOCK),)
+    sinkhorn_unrolled_backward_kernel[grid](logits, grad_R, out, T, iters, seg_len, num_segs,
+                                            n=n, N=N, BLOCK=BLOCK, SEGS=SEGS, SEG=SEG, FLAT=_flat(n, N, flat),
+                                            FAST=_fast(logits.dtype),
+                                            COMPUTE=_compute_dtype(logits.dtype),
+                                            num_warps=num_warps or _warps(BLOCK, N))
+    return out
+
+
+def sinkhorn_implicit_backward_triton(R: torch.Tensor, grad_R: torch.Tensor, cg_iters=None, *,
+                                      block: int = 0, num_warps: int = 0, flat=None, tile: bool = False) -> torch.Tensor:
+    """``(T, n, n)`` ``R`` and ``dL/dR`` -> implicit ``dL/dlogits`` (direct solve, or CG if ``cg_iters``)."""
+    T, n, _ = R.shape
+    out = torch.empty_like(R)
+    if T == 0:
+        return out
+    N = _pow2(n)
+    eps = torch.finfo(torch.float64 if R.dtype == torch.float64 else torch.float32).eps
+    if n in SMALL_N and cg_iters is None and not tile:
+        BLOCK = block or _small_block(n, R.dtype)
+        grid = (triton.cdiv(T, BLOCK),)
+        sinkhorn_implicit_backward_small_kernel[grid](R, grad_R, out, T, eps, n=n, BITS=2 * (N.bit_length() - 1),
+                                                      BLOCK=BLOCK, COMPUTE=_compute_dtype(R.dtype),
+                                                      num_warps=num_warps or max(1, BLOCK // 32))
+        return out
+    BLOCK = block or _block_tokens(N, 1024)
+    grid = (triton.cdiv(T, BLOCK),)
+    sinkhorn_implicit_backward_kernel[grid](R, grad_R, out, T, 0 if cg_iters is None else int(cg_iters),
+                                            (n * eps) ** 2, eps,
+                                            n=n, N=N, BLOCK=BLOCK, USE_CG=cg_iters is not None,
+                                            FLAT=_flat(n, N, flat),
+                                            COMPUTE=_compute_dtype(R.dtype),
+                                            num_warps=num_warps or _warps(BLOCK, N))
+    return out

@@ -1,0 +1,522 @@
+"""Segment operations: the Triton stage against the float64 NumPy loops and the padded
+PyTorch stage, both derivative orders, determinism, compile, and bad input."""
+import zlib
+
+import numpy as np
+import pytest
+import torch
+
+import packed_kernels as pk
+from packed_kernels import runtime
+from packed_kernels.segment_ops import naive_numpy, padded_torch
+from packed_kernels.segment_ops import triton_kernels as tk
+
+from assertions import assert_close
+
+# (lengths, extra empty segments after the last index): empty segments in the middle,
+# at the start and at the end, length-1 segments, one single segment.
+LAYOUTS = [
+    ([3, 0, 5, 1, 7, 2], 2),
+    ([0, 0, 4, 3], 0),
+    ([1, 1, 1, 1, 1], 1),
+    ([11], 0),
+]
+LAYOUT_IDS = ["L3-0-5-1-7-2+2", "L0-0-4-3", "L1x5+1", "L11"]
+WIDTHS = [None, 3, 5]
+WIDTH_IDS = ["scalar", "D3", "D5"]
+OPS = ["sum", "mean", "dot", "mul", "mul_broadcast", "rms_norm", "matvec"]
+
+PUBLIC = {
+    "sum": pk.segmented_sum, "mean": pk.segmented_mean, "dot": pk.segmented_dot,
+    "mul": pk.segmented_mul, "mul_broadcast": pk.segmented_mul,
+    "rms_norm": pk.segmented_rms_norm, "matvec": pk.segmented_matvec,
+}
+PADDED = {
+    "sum": padded_torch.segmented_sum, "mean": padded_torch.segmented_mean,
+    "dot": padded_torch.segmented_dot, "mul": padded_torch.segmented_mul,
+    "mul_broadcast": padded_torch.segmented_mul, "rms_norm": padded_torch.segmented_rms_norm,
+    "matvec": padded_torch.segmented_matvec,
+}
+
+
+@pytest.fixture
+def chunks_of_4(monkeypatch):
+    """Chunks of 4 rows: short segments lie inside a chunk (written by the first pass),
+    long ones cross chunk edges (finished by the combine pass). The other tests use the
+    default chunks, where these small inputs fit in one chunk."""
+    monkeypatch.setattr(tk, "CHUNK_ELEMENTS", 4)
+    monkeypatch.setattr(tk, "MIN_CHUNK_ROWS", 4)
+
+
+def make_idx(lengths, device):
+    idx = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths, dtype=torch.long))
+    return idx.to(device=device, dtype=torch.int32)
+
+
+def applicable(op, width):
+    if op == "matvec" and width is None:
+        return False
+    if op == "mul_broadcast" and width is None:
+        return False
+    return True
+
+
+def make_inputs(op, n_rows, num_segments, width, dtype, device, seed):
+    """The differentiable inputs of ``op`` (x first), on fresh random values."""
+    g = torch.Generator().manual_seed(seed)
+    row_shape = (n_rows,) if width is None else (n_rows, width)
+    seg_shape = (num_segments,) if width is None else (num_segments, width)
+
+    def rand(*shape):
+        return torch.randn(shape, generator=g, dtype=torch.float64).to(device=device, dtype=dtype)
+
+    x = rand(*row_shape)
+    if op in ("sum", "mean", "rms_norm"):
+        return (x,)
+    if op == "dot":
+        return (x, rand(*row_shape))
+    if op == "mul":
+        return (x, rand(*seg_shape))
+    if op == "mul_broadcast":
+        return (x, rand(num_segments))
+    if op == "matvec":
+        return (x, rand(num_segments, width, 4))  # a non-square m: (S, D, K = 4)
+    raise AssertionError(op)
+
+
+def as_rows(a):
+    a = a.detach().cpu().double().numpy()
+    return a.reshape(a.shape[0], 1) if a.ndim == 1 else a
+
+
+def numpy_forward(op, inputs, idx, num_segments):
+    arrays = [as_rows(t) if t.dim() <= 2 else t.detach().cpu().double().numpy() for t in inputs]
+    idx = idx.cpu().numpy()
+    if op == "sum":
+        out = naive_numpy.segmented_sum(arrays[0], idx, num_segments)
+    elif op == "mean":
+        out = naive_numpy.segmented_mean(arrays[0], idx, num_segments)
+    elif op == "dot":
+        return naive_numpy.segmented_dot(arrays[0], arrays[1], idx, num_segments)
+    elif op == "mul":
+        out = naive_numpy.segmented_mul(arrays[0], arrays[1], idx, num_segments)
+    elif op == "mul_broadcast":
+        out = naive_numpy.segmented_mul(arrays[0], arrays[1], idx, num_segments)
+    elif op == "rms_norm":
+        return naive_numpy.segmented_rms_norm(arrays[0], idx, num_segments)
+    else:
+        return naive_numpy.segmented_matvec(arrays[0], arrays[1], idx, num_segments)
+    return out.reshape((out.shape[0],) + tuple(inputs[0].shape[1:]))
+
+
+def numpy_backward(op, inputs, idx, num_segments, grad):
+    """Hand-derived first derivatives, shaped like the inputs."""
+    x = as_rows(inputs[0])
+    idx = idx.cpu().numpy()
+    g = grad.detach().cpu().double().numpy()
+    if op in ("sum", "mean"):
+        g = g.reshape(g.shape[0], -1)
+        f = naive_numpy.segmented_sum_backward if op == "sum" else naive_numpy.segmented_mean_backward
+        grads = (f(x, idx, num_segments, g),)
+    elif op == "rms_norm":
+        grads = (naive_numpy.segmented_rms_norm_backward(x, idx, num_segments, g),)
+    elif op == "dot":
+        grads = naive_numpy.segmented_dot_backward(x, as_rows(inputs[1]), idx, num_segments, g)
+    elif op in ("mul", "mul_broadcast"):
+        y = inputs[1].detach().cpu().double().numpy()
+        y = y.reshape(y.shape[0], 1) if (op == "mul" and y.ndim == 1) else y
+        grads = naive_numpy.segmented_mul_backward(x, y, idx, num_segments, g.reshape(x.shape))
+    else:
+        grads = naive_numpy.segmented_matvec_backward(
+            x, inputs[1].detach().cpu().double().numpy(), idx, num_segments, g)
+    return [np.asarray(a).reshape(t.shape) for a, t in zip(grads, inputs)]
+
+
+def numpy_double_backward(op, inputs, idx, num_segments, grad, cotangents):
+    """Hand-derived second derivatives: (d/d inputs..., d/d grad)."""
+    x = as_rows(inputs[0])
+    idx = idx.cpu().numpy()
+    g = grad.detach().cpu().double().numpy()
+    u = [c.detach().cpu().double().numpy() for c in cotangents]
+    if op in ("sum", "mean"):
+        f = naive_numpy.segmented_sum_double_backward if op == "sum" else naive_numpy.segmented_mean_double_backward
+        result = f(x, idx, num_segments, g.reshape(g.shape[0], -1), u[0].reshape(x.shape))
+    elif op == "rms_norm":
+        result = naive_numpy.segmented_rms_norm_double_backward(x, idx, num_segments, g, u[0].reshape(x.shape))
+    elif op == "dot":
+        result = naive_numpy.segmented_dot_double_backward(
+            x, as_rows(inputs[1]), idx, num_segments, g, u[0].reshape(x.shape), u[1].reshape(x.shape))
+    elif op in ("mul", "mul_broadcast"):
+        y = inputs[1].detach().cpu().double().numpy()
+        y = y.reshape(y.shape[0], 1) if (op == "mul" and y.ndim == 1) else y
+        result = naive_numpy.segmented_mul_double_backward(
+            x, y, idx, num_segments, g.reshape(x.shape), u[0].reshape(x.shape), u[1].reshape(y.shape))
+    else:
+        result = naive_numpy.segmented_matvec_double_backward(
+            x, inputs[1].detach().cpu().double().numpy(), idx, num_segments, g, u[0], u[1])
+    shapes = [t.shape for t in inputs] + [grad.shape]
+    return [np.asarray(a).reshape(shape) for a, shape in zip(result, shapes)]
+
+
+def op_widths(widths, width_ids):
+    """(op, width) pairs, without the scalar rows that matvec and the broadcast mul do not take."""
+    return [pytest.param(op, w, id=f"{op}-{wid}") for op in OPS for w, wid in zip(widths, width_ids)
+            if applicable(op, w)]
+
+
+@pytest.mark.parametrize("op, width", op_widths(WIDTHS, WIDTH_IDS))
+@pytest.mark.parametrize("layout", LAYOUTS, ids=LAYOUT_IDS)
+def test_forward_and_both_derivatives_match_numpy_and_padded(layout, op, width, chunks_of_4, device):
+    lengths, extra = layout
+    idx = make_idx(lengths, device)
+    num_segments = len(lengths) + extra
+    seed = zlib.crc32(f"{op}-{width}-{lengths}".encode()) % 1000  # fixed across runs
+    inputs = [t.requires_grad_() for t in make_inputs(op, idx.shape[0], num_segments, width,
+                                                      torch.float64, device, seed)]
+    out = PUBLIC[op](*inputs, idx, num_segments)
+    expected = numpy_forward(op, inputs, idx, num_segments)
+    assert out.dtype == torch.float64 and out.device.type == device
+    assert_close(f"{op} forward vs NumPy", out, expected, atol=1e-12, rtol=1e-12)
+    assert_close(f"{op} forward vs padded", out, PADDED[op](*inputs, idx, num_segments), atol=1e-12, rtol=1e-12)
+
+    grad = torch.randn(out.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(seed + 1))
+    grad = grad.to(device).requires_grad_()
+    firsts = torch.autograd.grad(out, inputs, grad, create_graph=True)
+    for k, (got, want) in enumerate(zip(firsts, numpy_backward(op, inputs, idx, num_segments, grad))):
+        assert_close(f"{op} d/input{k}", got, want, atol=1e-12, rtol=1e-10)
+
+    gen = torch.Generator().manual_seed(seed + 2)
+    cotangents = [torch.randn(f.shape, dtype=torch.float64, generator=gen).to(device) for f in firsts]
+    seconds = torch.autograd.grad(firsts, inputs + [grad], cotangents, allow_unused=True)
+    expected_seconds = numpy_double_backward(op, inputs, idx, num_segments, grad, cotangents)
+    for k, (got, want) in enumerate(zip(seconds, expected_seconds)):
+        got = torch.zeros(want.shape, dtype=torch.float64) if got is None else got
+        assert_close(f"{op} second derivative #{k}", got, want, atol=1e-11, rtol=1e-9)
+
+
+@pytest.mark.parametrize("op, width", op_widths([None, 3, 2], ["scalar", "D3", "D2"]))
+def test_gradcheck_and_gradgradcheck_float64(op, width, device, chunks_of_4):
+    lengths = [2, 0, 5, 1]
+    idx = make_idx(lengths, device)
+    num_segments = 5
+    inputs = tuple(t.requires_grad_() for t in make_inputs(op, idx.shape[0], num_segments, width,
+                                                           torch.float64, device, seed=7))
+
+    def fn(*args):
+        return PUBLIC[op](*args, idx, num_segments)
+
+    # Under the interpreter every kernel call is slow: check random projections of the
+    # Jacobians (fast mode); compiled on the GPU, check every entry.
+    fast = runtime.INTERPRETED
+    assert torch.autograd.gradcheck(fn, inputs, eps=1e-6, atol=1e-7, fast_mode=fast)
+    assert torch.autograd.gradgradcheck(fn, inputs, eps=1e-6, atol=1e-7, fast_mode=fast)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=["f32", "f16", "bf16"])
+@pytest.mark.parametrize("op", ["sum", "mean", "dot", "mul", "rms_norm", "matvec"])
+def test_lower_precision_computes_in_float32(op, dtype, device):
+    lengths = [6, 0, 9, 1, 14]
+    idx = make_idx(lengths, device)
+    num_segments = 6
+    inputs = [t.requires_grad_() for t in make_inputs(op, idx.shape[0], num_segments, 3, dtype, device, seed=3)]
+    out = PUBLIC[op](*inputs, idx, num_segments)
+    assert out.dtype == dtype
+    wide = [t.detach().double().requires_grad_() for t in inputs]
+    expected = PUBLIC[op](*wide, idx, num_segments)
+    tol = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}[dtype]
+    # The only roundings: the inputs (already in dtype, so exact in float64) and the output.
+    assert_close(f"{op} {dtype}", out, expected, atol=tol, rtol=tol)
+    grad = torch.randn(out.shape, generator=torch.Generator().manual_seed(4)).to(device=device, dtype=dtype)
+    grads = torch.autograd.grad(out, inputs, grad)
+    expected_grads = torch.autograd.grad(expected, wide, grad.double())
+    for k, (got, want) in enumerate(zip(grads, expected_grads)):
+        assert got.dtype == dtype
+        assert_close(f"{op} {dtype} d/input{k}", got, want, atol=4 * tol, rtol=4 * tol)
+
+
+def test_empty_segments_give_zero_with_finite_zero_gradient(device):
+    idx = make_idx([0, 3, 0, 2, 0], device)
+    x = torch.tensor([[1.0, 2.0], [0.5, -1.0], [3.0, 0.0], [0.0, 0.0], [0.0, 0.0]], dtype=torch.float64,
+                     device=device, requires_grad=True)
+    for op in ("sum", "mean", "rms_norm"):
+        out = PUBLIC[op](x, idx, 6)
+        assert out[[0, 2, 4, 5]].abs().sum().item() == 0.0
+        (grad,) = torch.autograd.grad(out.sum(), x, create_graph=True)
+        assert torch.isfinite(grad).all()
+        if op == "rms_norm":
+            # Segment 3 has rows, but all zero: rms 0 and gradient 0 (not NaN).
+            assert out[3].item() == 0.0 and grad[3:].abs().sum().item() == 0.0
+            (second,) = torch.autograd.grad(grad.sum(), x)
+            assert torch.isfinite(second).all()
+
+
+@pytest.mark.parametrize("counts_in_value_scan", [True, False], ids=["one-scan", "two-scans"])
+@pytest.mark.parametrize("zero_fill_in_kernel", [True, False], ids=["fill-in-kernel", "fill-by-torch-zeros"])
+def test_empty_segments_are_zero_in_uninitialised_memory(zero_fill_in_kernel, counts_in_value_scan, device,
+                                                         monkeypatch):
+    """The output is allocated uninitialised and the first pass zeroes the empty segments
+    (or torch.zeros does, in the other configuration): allocate it poisoned (NaN, and -7
+    for the counts), so a row nobody writes shows up."""
+    monkeypatch.setattr(tk, "ZERO_FILL_IN_KERNEL", zero_fill_in_kernel)
+    monkeypatch.setattr(tk, "COUNTS_IN_VALUE_SCAN", counts_in_value_scan)
+    monkeypatch.setattr(tk, "CHUNK_ELEMENTS", 4)
+    monkeypatch.setattr(tk, "MIN_CHUNK_ROWS", 4)
+    lengths = [0, 0, 3, 0, 0, 0, 5, 1, 0, 6, 0]
+    idx = make_idx(lengths, device)
+    num_segments = len(lengths) + 9
+    x = torch.randn(idx.shape[0], 3, dtype=torch.float64, device=device)
+
+    def poisoned(shape, dtype, device):
+        return torch.full(shape, -7 if dtype == torch.int32 else float("nan"), dtype=dtype, device=device)
+
+    monkeypatch.setattr(tk, "uninitialised", poisoned)
+    for op in ("sum", "mean", "rms_norm"):
+        out = PUBLIC[op](x, idx, num_segments)
+        assert_close(f"{op} with poisoned memory", out, PADDED[op](x, idx, num_segments), atol=1e-12, rtol=1e-12)
+
+
+def test_no_rows(device):
+    idx = torch.zeros(0, dtype=torch.int32, device=device)
+    x = torch.zeros(0, 3, dtype=torch.float32, device=device, requires_grad=True)
+    for op in ("sum", "mean", "rms_norm"):
+        out = PUBLIC[op](x, idx, 4)
+        assert out.shape[0] == 4 and out.abs().sum().item() == 0.0
+    out = pk.segmented_sum(x, idx, 0)
+    assert out.shape == (0, 3)
+    assert pk.segmented_matvec(x, torch.zeros(4, 3, 3, device=device), idx, 4).shape == (0, 3)
+
+
+def test_output_shapes(device):
+    idx = make_idx([2, 3], device)
+    x1 = torch.randn(5, device=device)
+    x3 = torch.randn(5, 3, device=device)
+    assert pk.segmented_sum(x1, idx, 4).shape == (4,)
+    assert pk.segmented_sum(x3, idx, 4).shape == (4, 3)
+    assert pk.segmented_mean(x3, idx, 4).shape == (4, 3)
+    assert pk.segmented_dot(x3, x3, idx, 4).shape == (4,)
+    assert pk.segmented_dot(x1, x1, idx, 4).shape == (4,)
+    assert pk.segmented_rms_norm(x3, idx, 4).shape == (4,)
+    assert pk.segmented_mul(x3, torch.randn(4, 3, device=device), idx, 4).shape == (5, 3)
+    assert pk.segmented_mul(x3, torch.randn(4, device=device), idx, 4).shape == (5, 3)
+    assert pk.segmented_matvec(x3, torch.randn(4, 3, 3, device=device), idx, 4).shape == (5, 3)
+
+
+def test_wide_rows_use_several_column_blocks(device, monkeypatch):
+    # 70 columns: two column blocks of the reduction and of the row-wise maps.
+    monkeypatch.setattr(tk, "CHUNK_ELEMENTS", 4)
+    monkeypatch.setattr(tk, "MIN_CHUNK_ROWS", 4)
+    idx = make_idx([3, 0, 6, 1], device)
+    x = torch.randn(10, 70, dtype=torch.float64, device=device, requires_grad=True)
+    for op in ("sum", "mean", "rms_norm"):
+        out = PUBLIC[op](x, idx, 5)
+        assert_close(f"{op} D70", out, PADDED[op](x, idx, 5), atol=1e-12, rtol=1e-12)
+        grad = torch.randn_like(out)
+        (got,) = torch.autograd.grad(out, x, grad)
+        (want,) = torch.autograd.grad(PADDED[op](x, idx, 5), x, grad)
+        assert_close(f"{op} D70 gradient", got, want, atol=1e-12, rtol=1e-10)
+
+
+def test_bitwise_deterministic(device):
+    g = torch.Generator().manual_seed(11)
+    lengths = torch.randint(0, 12, (8,), generator=g).tolist() + [40]
+    idx = make_idx(lengths, device)
+    num_segments = len(lengths)
+    x = torch.randn(idx.shape[0], 3, generator=g).to(device).requires_grad_()
+    m = torch.randn(num_segments, 3, 3, generator=g).to(device).requires_grad_()
+
+    def run():
+        outs = [pk.segmented_sum(x, idx, num_segments), pk.segmented_mean(x, idx, num_segments),
+                pk.segmented_rms_norm(x, idx, num_segments), pk.segmented_matvec(x, m, idx, num_segments)]
+        loss = sum((o * o).sum() for o in outs)
+        grads = torch.autograd.grad(loss, (x, m), create_graph=True)
+        seconds = torch.autograd.grad(sum(gr.square().sum() for gr in grads), (x, m))
+        return [o.detach() for o in outs] + [gr.detach() for gr in grads] + list(seconds)
+
+    first, second = run(), run()
+    for k, (a, b) in enumerate(zip(first, second)):
+        assert torch.equal(a, b), f"result {k} differs between two identical runs"
+
+
+@pytest.mark.parametrize("op", OPS)
+def test_compile_fullgraph_forward_and_backward_match_eager(op, device):
+    torch._dynamo.reset()
+    width = 3
+    lengths = [4, 0, 7, 2]
+    idx = make_idx(lengths, device)
+    num_segments = 5
+    inputs = [t.requires_grad_() for t in make_inputs(op, idx.shape[0], num_segments, width,
+                                                      torch.float64, device, seed=5)]
+
+    def step(*args):
+        out = PUBLIC[op](*args, idx, num_segments)
+        return (out * out).sum()
+
+    # aot_eager traces forward and backward exactly as inductor does (the custom operators
+    # stay opaque); inductor's code generation is exercised on the GPU for two ops.
+    backend = "inductor" if (not runtime.INTERPRETED and op in ("sum", "matvec")) else "aot_eager"
+    compiled = torch.compile(step, fullgraph=True, backend=backend)
+    loss = compiled(*inputs)
+    grads = torch.autograd.grad(loss, inputs)
+    eager_loss = step(*inputs)
+    eager_grads = torch.autograd.grad(eager_loss, inputs)
+    assert_close(f"{op} compiled loss", loss, eager_loss, atol=1e-12, rtol=1e-12)
+    for k, (a, b) in enumerate(zip(grads, eager_grads)):
+        assert_close(f"{op} compiled d/input{k}", a, b, atol=1e-12, rtol=1e-12)
+
+
+# --- bad input ---------------------------------------------------------------------------
+
+def _good(device):
+    return torch.randn(5, 3, device=device), make_idx([2, 3], device)
+
+
+@pytest.mark.parametrize(
+    "case, message",
+    [
+        ("idx int64", "idx must have dtype torch.int32"),
+        ("idx 2-D", "idx must be 1-D"),
+        ("idx negative", "idx must be >= 0"),
+        ("idx too large", "idx must be < num_segments"),
+        ("idx unsorted", "idx must be sorted"),
+        ("idx short", "idx must have one entry per row"),
+        ("x int", "x must have dtype"),
+        ("x 3-D", "x must be 1-D or 2-D"),
+        ("num_segments float", "num_segments must be a Python int"),
+        ("num_segments negative", "num_segments must be >= 0"),
+    ],
+)
+def test_bad_input_sum(case, message, device):
+    x, idx = _good(device)
+    num_segments = 3
+    if case == "idx int64":
+        idx = idx.long()
+    elif case == "idx 2-D":
+        idx = idx[:, None]
+    elif case == "idx negative":
+        idx = idx - 1
+    elif case == "idx too large":
+        num_segments = 1
+    elif case == "idx unsorted":
+        idx = idx.flip(0)
+    elif case == "idx short":
+        idx = idx[:4]
+    elif case == "x int":
+        x = x.long()
+    elif case == "x 3-D":
+        x = x[:, :, None]
+    elif case == "num_segments float":
+        num_segments = 3.0
+    elif case == "num_segments negative":
+        num_segments = -1
+    with pytest.raises((ValueError, TypeError), match=message):
+        pk.segmented_sum(x, idx, num_segments)
+
+
+def test_bad_input_other_ops(device):
+    x, idx = _good(device)
+    with pytest.raises(ValueError, match="y must have the shape of x"):
+        pk.segmented_dot(x, x[:, :2], idx, 2)
+    with pytest.raises(ValueError, match="y must have the dtype of x"):
+        pk.segmented_dot(x, x.double(), idx, 2)
+    with pytest.raises(ValueError, match=r"y must have num_segments \(3\) rows"):
+        pk.segmented_mul(x, torch.randn(2, 3, device=device), idx, 3)
+    with pytest.raises(ValueError, match="y must have shape"):
+        pk.segmented_mul(x, torch.randn(2, 4, device=device), idx, 2)
+    with pytest.raises(ValueError, match=r"m must have num_segments \(3\) matrices"):
+        pk.segmented_matvec(x, torch.randn(2, 3, 3, device=device), idx, 3)
+    with pytest.raises(ValueError, match="m must have shape"):
+        pk.segmented_matvec(x, torch.randn(2, 2, 3, device=device), idx, 2)
+    with pytest.raises(ValueError, match="v must be 2-D"):
+        pk.segmented_matvec(x[:, 0], torch.randn(2, 3, 3, device=device), idx, 2)
+    with pytest.raises(ValueError, match="m must be 3-D"):
+        pk.segmented_matvec(x, torch.randn(2, 9, device=device), idx, 2)
+    with pytest.raises(ValueError, match="idx must be < num_segments"):
+        pk.segmented_rms_norm(x, idx, 1)
+    with pytest.raises(TypeError, match="idx must be a torch.Tensor"):
+        pk.segmented_mean(x, [0, 0, 1, 1, 1], 2)
+
+
+def test_bad_input_devices(device):
+    x, idx = _good(device)
+    other = "meta"
+    with pytest.raises(ValueError, match="idx is on"):
+        pk.segmented_sum(x, idx.to(other), 2)
+    with pytest.raises(ValueError, match="m is on"):
+        pk.segmented_matvec(x, torch.randn(2, 3, 3, device=other), idx, 2)
+    if not runtime.INTERPRETED:
+        with pytest.raises(ValueError, match="x must be a cuda tensor"):
+            pk.segmented_sum(x.cpu(), idx.cpu(), 2)
+
+
+# --- GPU only: the compiled kernels at sizes the interpreter cannot reach -----------------
+
+@pytest.mark.skipif(runtime.INTERPRETED, reason="large sizes: compiled kernels on a GPU only")
+@pytest.mark.parametrize("mean_length", [1, 10, 10_000, 1_000_000], ids=lambda n: f"len{n}")
+@pytest.mark.parametrize("width", [None, 3], ids=["scalar", "D3"])
+def test_large_against_index_add(mean_length, width, device):
+    g = torch.Generator(device="cuda").manual_seed(mean_length)
+    n_rows = 2_000_003
+    num_segments = max(1, n_rows // mean_length)
+    idx = torch.sort(torch.randint(0, num_segments, (n_rows,), device="cuda", generator=g)).values.int()
+    shape = (n_rows,) if width is None else (n_rows, width)
+    x = torch.randn(shape, device="cuda", generator=g)
+    reference = torch.zeros((num_segments,) + shape[1:], dtype=torch.float64, device="cuda")
+    reference.index_add_(0, idx.long(), x.double())
+    counts = torch.bincount(idx.long(), minlength=num_segments).clamp(min=1).double()
+    counts = counts if width is None else counts[:, None]
+    scale = 1e-5 * max(1.0, mean_length ** 0.5)
+    assert_close("sum", pk.segmented_sum(x, idx, num_segments), reference, atol=scale, rtol=1e-5)
+    assert_close("mean", pk.segmented_mean(x, idx, num_segments), reference / counts, atol=1e-5, rtol=1e-5)
+    a = pk.segmented_sum(x, idx, num_segments)
+    b = pk.segmented_sum(x, idx, num_segments)
+    assert torch.equal(a, b)
+
+
+@pytest.mark.skipif(runtime.INTERPRETED, reason="large sizes: compiled kernels on a GPU only")
+@pytest.mark.parametrize("mean_length", [10, 10_000], ids=lambda n: f"len{n}")
+def test_large_all_ops_both_orders_deterministic_and_close(mean_length, device):
+    """At a million rows (many chunks, long segments crossing hundreds of them): every op,
+    forward, first and second derivatives, bitwise equal over two runs and close to the
+    float64 result of the padded stage."""
+    g = torch.Generator(device="cuda").manual_seed(5)
+    n_rows = 1_000_003
+    num_segments = max(1, n_rows // mean_length)
+    idx = torch.sort(torch.randint(0, num_segments, (n_rows,), device="cuda", generator=g)).values.int()
+    for op in ("sum", "mean", "dot", "mul", "rms_norm", "matvec"):
+        inputs = [t.requires_grad_() for t in make_inputs(op, n_rows, num_segments, 3, torch.float32, "cuda", 1)]
+
+        def run(args):
+            out = PUBLIC[op](*args, idx, num_segments)
+            grad = torch.ones_like(out).requires_grad_()
+            firsts = torch.autograd.grad(out, args, grad, create_graph=True)
+            seconds = torch.autograd.grad(firsts, list(args) + [grad], [torch.ones_like(f) for f in firsts],
+                                          allow_unused=True)
+            return [out] + list(firsts) + [s for s in seconds if s is not None]
+
+        first, again = run(inputs), run(inputs)
+        for k, (a, b) in enumerate(zip(first, again)):
+            assert torch.equal(a, b), f"{op}: result {k} differs between two identical runs"
+        wide = [t.detach().double().requires_grad_() for t in inputs]
+        out64 = PADDED[op](*wide, idx, num_segments)
+        scale = float(out64.detach().abs().max()) + 1.0
+        assert_close(f"{op} forward at 1M rows", first[0], out64, atol=1e-5 * scale, rtol=1e-4)
+        firsts64 = torch.autograd.grad(out64, wide, torch.ones_like(out64))
+        for k, (a, b) in enumerate(zip(first[1:1 + len(wide)], firsts64)):
+            assert_close(f"{op} d/input{k} at 1M rows", a, b, atol=1e-5 * (float(b.abs().max()) + 1.0), rtol=1e-4)
+
+
+@pytest.mark.skipif(runtime.INTERPRETED, reason="CUDA graph capture needs a GPU")
+def test_cuda_graph_capture_skips_host_checks():
+    idx = make_idx([3, 0, 500, 1], "cuda")
+    x = torch.randn(idx.shape[0], 3, device="cuda")
+    pk.segmented_sum(x, idx, 4)  # compile outside the capture
+    pk.segmented_mean(x, idx, 4)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = pk.segmented_sum(x, idx, 4)
+        mean = pk.segmented_mean(x, idx, 4)
+    x.normal_()
+    graph.replay()
+    torch.cuda.synchronize()
+    assert_close("captured sum", out, padded_torch.segmented_sum(x, idx, 4), atol=1e-5, rtol=1e-5)
+    assert_close("captured mean", mean, padded_torch.segmented_mean(x, idx, 4), atol=1e-5, rtol=1e-5)

@@ -1,0 +1,341 @@
+"""Sinkhorn forward and its two backwards against independent references.
+
+References: the float64 NumPy stage (iterations, hand-written reverse mode, least
+squares on the singular implicit system), autograd through the PyTorch loop, finite
+differences of the converged map (gradcheck).
+"""
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from packed_kernels import runtime, sinkhorn, sinkhorn_backward
+from packed_kernels.sinkhorn_ops import naive_numpy, padded_torch, triton_kernels
+
+from assertions import assert_close
+
+NS = [1, 2, 3, 4, 5, 8, 16, 32]
+
+
+def _tokens(n):
+    # keep the interpreter fast: fewer matrices as n grows
+    return {1: 37, 2: 37, 3: 37, 4: 70, 5: 29, 8: 13, 16: 5, 32: 3}[n]
+
+
+def _logits(shape, scale, seed, dtype=torch.float64):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(shape, generator=g, dtype=torch.float64) * scale).to(dtype)
+
+
+def _loop_reference(logits64, iters, grad64=None):
+    """Forward and (optionally) unrolled gradient by autograd through the float64 loop."""
+    x = logits64.detach().clone().requires_grad_(grad64 is not None)
+    R = padded_torch.sinkhorn_torch(x, iters)
+    if grad64 is None:
+        return R.detach(), None
+    R.backward(grad64)
+    return R.detach(), x.grad
+
+
+def _birkhoff(n, tokens, seed, peak=1.0):
+    """Exactly doubly stochastic matrices (up to rounding): mixtures of permutations."""
+    g = torch.Generator().manual_seed(seed)
+    out = torch.zeros(tokens, n, n, dtype=torch.float64)
+    for t in range(tokens):
+        weights = torch.rand(n + 1, generator=g, dtype=torch.float64) ** (1 + peak * 8)
+        weights = weights / weights.sum()
+        for w in weights:
+            perm = torch.randperm(n, generator=g)
+            out[t, torch.arange(n), perm] += w
+    return out
+
+
+# --------------------------------------------------------------------------- forward
+
+
+@pytest.mark.parametrize("n", NS, ids=lambda n: f"n{n}")
+@pytest.mark.parametrize("scale", [1.0, 4.0], ids=lambda s: f"scale{s:g}")
+def test_forward_matches_references(device, n, scale):
+    T = _tokens(n)
+    x64 = _logits((T, n, n), scale, seed=n * 10 + int(scale))
+    R = sinkhorn(x64.float().to(device), 20)
+    ref32, _ = _loop_reference(x64.float().double(), 20)
+    assert R.dtype == torch.float32 and R.shape == (T, n, n)
+    assert_close("R fp32", R, ref32, atol=2e-6, rtol=1e-5)
+    ref, _ = _loop_reference(x64, 20)
+    assert_close("R fp64", sinkhorn(x64.to(device), 20), ref, atol=1e-13, rtol=1e-12)
+    numpy_ref = naive_numpy.sinkhorn_numpy(x64[0].numpy(), 20)
+    assert_close("R vs numpy", ref[0], numpy_ref, atol=1e-14, rtol=1e-13)
+
+
+@pytest.mark.parametrize("shape", [(2, 3, 4, 4), (7, 5, 5), (3, 3), (1, 1, 1)], ids=lambda s: "x".join(map(str, s)))
+def test_forward_leading_dims_and_marginals(device, shape):
+    x = _logits(shape, 1.0, seed=sum(shape)).to(device)
+    R = sinkhorn(x, 200)
+    assert R.shape == x.shape
+    ones = torch.ones(shape[:-1], dtype=torch.float64)
+    assert_close("row sums", R.sum(-1), ones, atol=1e-12, rtol=0)
+    assert_close("column sums", R.sum(-2), ones, atol=1e-10, rtol=0)
+
+
+def test_forward_non_contiguous_and_empty(device):
+    base = _logits((6, 5, 5), 2.0, seed=3).to(device)
+    x = base.transpose(-1, -2)[::2]  # strided in every dim
+    assert not x.is_contiguous()
+    assert_close("non-contiguous", sinkhorn(x, 20), _loop_reference(x.cpu(), 20)[0], atol=1e-13, rtol=1e-12)
+    empty = torch.zeros(0, 4, 4, device=device)
+    assert sinkhorn(empty, 20).shape == (0, 4, 4)
+    empty_grad = torch.zeros(0, 4, 4, device=device, requires_grad=True)
+    sinkhorn(empty_grad, 5, backward="unrolled").sum().backward()
+    assert empty_grad.grad.shape == (0, 4, 4)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("backward", ["implicit", "unrolled"])
+def test_low_precision_inputs(device, dtype, backward):
+    x = _logits((33, 4, 4), 2.0, seed=5, dtype=dtype).to(device).requires_grad_()
+    grad = _logits((33, 4, 4), 1.0, seed=6, dtype=dtype).to(device)
+    R = sinkhorn(x, 20, backward=backward)
+    assert R.dtype == dtype
+    x32 = x.detach().float()
+    ref = sinkhorn(x32, 20)  # float32 compute on the same (rounded) inputs
+    assert_close("R low precision", R, ref, atol=1e-2, rtol=1e-2)
+    R.backward(grad)
+    assert x.grad.dtype == dtype
+    x32.requires_grad_()
+    sinkhorn(x32, 20, backward=backward).backward(grad.float())
+    assert_close("grad low precision", x.grad, x32.grad, atol=2e-2, rtol=2e-2)
+
+
+# --------------------------------------------------------------------------- unrolled backward
+
+
+@pytest.mark.parametrize("n", NS, ids=lambda n: f"n{n}")
+@pytest.mark.parametrize("iters", [1, 3, 20], ids=lambda i: f"it{i}")
+def test_unrolled_backward_matches_autograd_through_loop(device, n, iters):
+    T = _tokens(n)
+    x64 = _logits((T, n, n), 3.0, seed=100 + n + iters)  # peaked
+    g64 = _logits((T, n, n), 1.0, seed=200 + n + iters)
+    _, ref = _loop_reference(x64, iters, g64)
+    for dtype, atol, rtol in [(torch.float64, 1e-12, 1e-10), (torch.float32, 2e-5, 1e-4)]:
+        x = x64.to(dtype).to(device).clone().requires_grad_()
+        sinkhorn(x, iters, backward="unrolled").backward(g64.to(dtype).to(device))
+        if dtype == torch.float32:
+            _, ref = _loop_reference(x64.float().double(), iters, g64.float().double())
+        assert_close(f"unrolled grad {dtype}", x.grad, ref, atol=atol, rtol=rtol)
+
+
+def test_unrolled_backward_matches_numpy_reverse_mode():
+    x = _logits((5, 5), 2.0, seed=7)
+    g = _logits((5, 5), 1.0, seed=8)
+    _, ref = _loop_reference(x, 9, g)
+    assert_close("numpy reverse mode", naive_numpy.unrolled_gradient_numpy(x.numpy(), g.numpy(), 9), ref,
+                 atol=1e-13, rtol=1e-12)
+
+
+@pytest.mark.parametrize("iters", [2, 7, 40], ids=lambda i: f"it{i}")
+def test_unrolled_backward_checkpoint_segments(device, iters):
+    # several segment layouts (seg_len, num_segs) of the recompute-from-checkpoint scheme
+    x64 = _logits((9, 3, 3), 2.0, seed=iters)
+    g64 = _logits((9, 3, 3), 1.0, seed=iters + 1)
+    _, ref = _loop_reference(x64, iters, g64)
+    got = triton_kernels.sinkhorn_unrolled_backward_triton(x64.to(device), g64.to(device), iters)
+    assert_close(f"segments {triton_kernels.segments(iters)}", got, ref, atol=1e-12, rtol=1e-10)
+
+
+@pytest.mark.parametrize("n", triton_kernels.SMALL_N, ids=lambda n: f"n{n}")
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=str)
+def test_one_token_per_thread_kernels_match_tile_kernels(device, n, dtype):
+    # n in SMALL_N runs kernels that keep a whole matrix in one thread; the tile
+    # kernels (checked against the references above for every n) must agree.
+    x = _logits((45, n, n), 3.0, seed=600 + n, dtype=dtype).to(device)
+    g = _logits((45, n, n), 1.0, seed=700 + n, dtype=dtype).to(device)
+    tol = dict(atol=1e-13, rtol=1e-11) if dtype == torch.float64 else dict(atol=2e-5, rtol=2e-4)
+    R = triton_kernels.sinkhorn_forward_triton(x, 20)
+    assert_close("forward", R, triton_kernels.sinkhorn_forward_triton(x, 20, tile=True), **tol)
+    # reciprocals by Newton steps in place of the special-function unit (float32 only)
+    assert_close("forward, newton", triton_kernels.sinkhorn_forward_triton(x, 20, newton=2), R, **tol)
+    assert_close("implicit", triton_kernels.sinkhorn_implicit_backward_triton(R, g),
+                 triton_kernels.sinkhorn_implicit_backward_triton(R, g, tile=True), **tol)
+    for iters in (1, 20):
+        assert_close(f"unrolled it{iters}", triton_kernels.sinkhorn_unrolled_backward_triton(x, g, iters),
+                     triton_kernels.sinkhorn_unrolled_backward_triton(x, g, iters, tile=True), **tol)
+
+
+def test_unrolled_gradcheck(device):
+    x = _logits((3, 3, 3), 1.5, seed=11).to(device).requires_grad_()
+    assert torch.autograd.gradcheck(lambda t: sinkhorn(t, 6, backward="unrolled"), (x,), eps=1e-6, atol=1e-7)
+
+
+# --------------------------------------------------------------------------- implicit backward
+
+
+@pytest.mark.parametrize("n", NS, ids=lambda n: f"n{n}")
+def test_implicit_backward_matches_least_squares_on_doubly_stochastic(device, n):
+    T = min(_tokens(n), 12)
+    R = _birkhoff(n, T, seed=n)
+    g = _logits((T, n, n), 1.0, seed=300 + n)
+    ref = torch.stack([torch.from_numpy(naive_numpy.implicit_gradient_numpy(R[t].numpy(), g[t].numpy()))
+                       for t in range(T)])
+    assert_close("implicit fp64 direct", sinkhorn_backward(R.to(device), g.to(device)), ref, atol=1e-11, rtol=1e-9)
+    assert_close("implicit fp64 cg", sinkhorn_backward(R.to(device), g.to(device), cg_iters=2 * n), ref,
+                 atol=1e-9, rtol=1e-7)
+    got32 = sinkhorn_backward(R.float().to(device), g.float().to(device))
+    assert_close("implicit fp32 direct", got32, ref, atol=2e-6 * float(g.abs().max()), rtol=1e-4)
+
+
+@pytest.mark.parametrize("peak", [0.5, 2.0, 6.0], ids=lambda p: f"peak{p:g}")
+def test_implicit_float32_near_permutation(device, peak):
+    # Nearly permutation matrices: the float32 direct solve must match the float64 answer.
+    n, T = 4, 64
+    R = _birkhoff(n, T, seed=int(peak), peak=peak)
+    g = _logits((T, n, n), 1.0, seed=17)
+    ref = torch.stack([torch.from_numpy(naive_numpy.implicit_gradient_numpy(R[t].numpy(), g[t].numpy()))
+                       for t in range(T)])
+    # The direct solve (the default) stays at rounding level. Conjugate gradient is
+    # less robust here: on the H200 (fused multiply-adds, approximate division) it
+    # measured up to 5e-3 at peak 2, against 1e-6 under the interpreter.
+    for cg_iters, bound in ((None, 1e-5), (2 * n, 1e-2)):
+        got = sinkhorn_backward(R.float().to(device), g.float().to(device), cg_iters=cg_iters)
+        rel = float((got.cpu().double() - ref).norm() / ref.norm())
+        assert rel < bound, f"float32 implicit gradient (cg_iters={cg_iters}) relative error {rel:.2e}"
+
+
+@pytest.mark.parametrize("n", [2, 3, 4, 8], ids=lambda n: f"n{n}")
+def test_implicit_equals_unrolled_at_convergence(device, n):
+    x = _logits((6, n, n), 0.7, seed=400 + n).to(device)
+    g = _logits((6, n, n), 1.0, seed=500 + n).to(device)
+    xi = x.clone().requires_grad_()
+    xu = x.clone().requires_grad_()
+    sinkhorn(xi, 80, backward="implicit").backward(g)
+    sinkhorn(xu, 80, backward="unrolled").backward(g)
+    assert_close("implicit vs unrolled, converged", xi.grad, xu.grad, atol=1e-10, rtol=1e-8)
+
+
+def test_implicit_gradcheck_against_converged_map(device):
+    # finite differences of the 40-step map (converged to rounding level at these mild
+    # logits) vs the implicit gradient
+    x = _logits((2, 3, 3), 0.4, seed=21)
+    assert float((padded_torch.sinkhorn_torch(x, 40).sum(-2) - 1).abs().max()) < 1e-14
+    x = x.to(device).requires_grad_()
+    assert torch.autograd.gradcheck(lambda t: sinkhorn(t, 40, backward="implicit"), (x,), eps=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("n", [3, 5, 16], ids=lambda n: f"n{n}")
+def test_implicit_cg_matches_direct_and_padded(device, n):
+    R = sinkhorn(_logits((7, n, n), 2.0, seed=n).to(device), 20)
+    g = _logits((7, n, n), 1.0, seed=n + 1).to(device)
+    direct = sinkhorn_backward(R, g)
+    assert_close("cg vs direct", sinkhorn_backward(R, g, cg_iters=2 * n), direct, atol=1e-10, rtol=1e-8)
+    assert_close("padded torch cg vs direct", padded_torch.implicit_backward_torch(R.cpu(), g.cpu()), direct,
+                 atol=1e-10, rtol=1e-8)
+
+
+def test_sinkhorn_backward_is_the_autograd_implicit_backward(device):
+    x = _logits((4, 2, 5, 5), 1.0, seed=31).to(device).requires_grad_()
+    g = _logits((4, 2, 5, 5), 1.0, seed=32).to(device)
+    R = sinkhorn(x, 20)
+    R.backward(g)
+    assert_close("standalone", sinkhorn_backward(R.detach(), g), x.grad, atol=0, rtol=0)
+    # grad_R of another dtype is cast to R's dtype
+    assert sinkhorn_backward(R.detach().float(), g).dtype == torch.float32
+
+
+def test_permutation_gives_zero_implicit_gradient(device):
+    R = torch.eye(4, dtype=torch.float64)[[2, 0, 3, 1]].expand(3, 4, 4).contiguous().to(device)
+    g = _logits((3, 4, 4), 1.0, seed=41).to(device)
+    out = sinkhorn_backward(R, g)
+    assert bool(torch.isfinite(out).all())
+    assert_close("gradient at a permutation", out, torch.zeros(3, 4, 4), atol=1e-15, rtol=0)
+
+
+# --------------------------------------------------------------------------- beyond the kernels, compile
+
+
+@pytest.mark.parametrize("backward", ["implicit", "unrolled"])
+def test_large_n_uses_padded_stage(device, backward):
+    n = triton_kernels.MAX_KERNEL_N + 1
+    x = _logits((2, n, n), 1.0, seed=51).to(device).requires_grad_()
+    g = _logits((2, n, n), 1.0, seed=52).to(device)
+    sinkhorn(x, 5, backward=backward).backward(g)
+    if backward == "unrolled":
+        _, ref = _loop_reference(x.detach().cpu(), 5, g.cpu())
+    else:
+        ref = padded_torch.implicit_backward_torch(padded_torch.sinkhorn_torch(x.detach().cpu(), 5), g.cpu())
+    assert_close(f"n={n} {backward}", x.grad, ref, atol=1e-10, rtol=1e-8)
+
+
+def test_many_unrolled_iterations_use_padded_stage(device):
+    iters = triton_kernels.MAX_UNROLLED_ITERS + 1
+    x = _logits((3, 3, 3), 1.0, seed=55).to(device).requires_grad_()
+    g = _logits((3, 3, 3), 1.0, seed=56).to(device)
+    sinkhorn(x, iters, backward="unrolled").backward(g)
+    _, ref = _loop_reference(x.detach().cpu(), iters, g.cpu())
+    assert_close(f"unrolled, {iters} iterations", x.grad, ref, atol=1e-12, rtol=1e-10)
+
+
+@pytest.mark.parametrize("backward", ["implicit", "unrolled"])
+def test_torch_compile_fullgraph(device, backward):
+    x = _logits((5, 4, 4), 2.0, seed=61, dtype=torch.float32).to(device)
+    g = _logits((5, 4, 4), 1.0, seed=62, dtype=torch.float32).to(device)
+
+    def f(t):
+        return (sinkhorn(t * 1.5, 10, backward=backward) * g).sum()
+
+    compiled = torch.compile(f, fullgraph=True, backend="aot_eager")
+    xc = x.clone().requires_grad_()
+    xe = x.clone().requires_grad_()
+    compiled(xc).backward()
+    f(xe).backward()
+    assert_close("compiled grad", xc.grad, xe.grad, atol=0, rtol=0)
+
+
+# --------------------------------------------------------------------------- bad input
+
+
+@pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")  # the interpreter's NumPy, on purpose
+def test_nan_and_inf_logits_stay_in_their_matrix(device):
+    x = _logits((4, 3, 3), 1.0, seed=71).to(device)
+    x[1, 0, 2] = float("nan")
+    x[2, 1, 1] = float("inf")
+    x[3, 0, 0] = float("-inf")  # an exact zero, the rest of the matrix is finite
+    x.requires_grad_()
+    R = sinkhorn(x, 20, backward="unrolled")
+    assert bool(torch.isnan(R[1]).all()) and bool(torch.isnan(R[2]).all())
+    ref, _ = _loop_reference(x.detach()[[0, 3]].cpu(), 20)
+    assert_close("finite matrices untouched", R[[0, 3]], ref, atol=1e-13, rtol=1e-12)
+    assert float(R.detach()[3, 0, 0]) == 0.0
+    R.backward(torch.ones_like(R))
+    assert bool(torch.isfinite(x.grad[[0, 3]]).all())
+
+
+def test_bad_input_messages(device):
+    x = torch.zeros(2, 3, 3, device=device)
+    with pytest.raises(ValueError, match=r"logits must have shape \(\.\.\., n, n\).*\(2, 3, 4\)"):
+        sinkhorn(torch.zeros(2, 3, 4, device=device))
+    with pytest.raises(ValueError, match="at least 2 dims"):
+        sinkhorn(torch.zeros(3, device=device))
+    with pytest.raises(ValueError, match="iters must be >= 1; got 0"):
+        sinkhorn(x, 0)
+    with pytest.raises(TypeError, match="iters must be an int"):
+        sinkhorn(x, 2.0)
+    with pytest.raises(ValueError, match="backward must be one of"):
+        sinkhorn(x, backward="exact")
+    with pytest.raises(ValueError, match="cg_iters must be >= 1"):
+        sinkhorn(x, cg_iters=0)
+    with pytest.raises(ValueError, match="cg_iters applies to backward='implicit'"):
+        sinkhorn(x, backward="unrolled", cg_iters=4)
+    with pytest.raises(TypeError, match="logits must be float32"):
+        sinkhorn(torch.zeros(2, 3, 3, dtype=torch.int32, device=device))
+    with pytest.raises(TypeError, match="logits must be a torch.Tensor"):
+        sinkhorn(np.zeros((3, 3)))
+    with pytest.raises(ValueError, match=r"grad_R must have the shape of R \(2, 3, 3\); got \(2, 3, 2\)"):
+        sinkhorn_backward(x, torch.zeros(2, 3, 2, device=device))
+    with pytest.raises(ValueError, match="R must have shape"):
+        sinkhorn_backward(torch.zeros(3, 2, device=device), torch.zeros(3, 2, device=device))
+    if not runtime.INTERPRETED:
+        with pytest.raises(ValueError, match="logits must be a cuda tensor"):
+            sinkhorn(torch.zeros(2, 3, 3))
+    else:
+        assert math.isfinite(float(sinkhorn(x).sum()))
