@@ -7,7 +7,7 @@ from typing import List, Optional, Tuple, Union
 import torch
 
 from .. import runtime
-from ..packing import Packed, unpack
+from ..packing import Packed, cu_seqlens_from_lengths, unpack
 from .padded_torch import lstm_weights, padded_lstm
 from .triton_kernels import MAX_HIDDEN, RecurrenceConfig, lstm_recurrence
 
@@ -187,8 +187,7 @@ class PersistentLSTM(torch.nn.Module):
         if not runtime.is_tracing():
             if batch and int(lengths.min()) < 0:
                 raise ValueError(f"packed.lengths must be >= 0, got min {int(lengths.min())}")
-            expected = torch.zeros(batch + 1, dtype=torch.int64, device=data.device)
-            torch.cumsum(lengths.to(torch.int64), 0, out=expected[1:])
+            expected = cu_seqlens_from_lengths(lengths.to(torch.int64)).to(torch.int64)
             if not torch.equal(cu_seqlens.to(torch.int64), expected):
                 raise ValueError("packed.cu_seqlens must be [0, cumsum(packed.lengths)] (a Packed from pack())")
             if int(expected[-1]) != data.shape[0]:
