@@ -431,3 +431,25 @@ def test_batch_larger_than_one_launch_runs_in_several():
     assert_close("y", out.data, ref, atol=ATOL, rtol=RTOL)
     assert_close("h_n", h, h_ref, atol=ATOL, rtol=RTOL)
     assert_close("c_n", c, c_ref, atol=ATOL, rtol=RTOL)
+
+
+@gpu_only
+def test_large_batch_default_runs_on_tensor_cores_in_one_launch():
+    """Hidden 128 at batch 128: the default is one launch of 16-row tensor-core programs
+    (tf32x3); it must match cuDNN in float32 to the same tolerance, run after run."""
+    cfg = choose_config(128, 128, 2, torch.device("cuda"))
+    assert cfg.matvec == 3 and cfg.block_b == 16, cfg
+    lstm = make_lstm(60, 128, 2, True, device="cuda")
+    lengths = torch.randint(1, 41, (128,), generator=torch.Generator().manual_seed(5)).cuda()
+    lengths[0] = 40
+    padded = torch.randn(128, 40, 60, device="cuda")
+    model = PersistentLSTM.from_torch(lstm)
+    with torch.no_grad():
+        ref, (h_ref, c_ref) = packed_reference(lstm, padded, lengths)
+        for run in range(5):
+            out, (h, c) = model(pack(padded, lengths))
+            assert_close(f"y (run {run})", out.data, ref, atol=ATOL, rtol=RTOL)
+            assert_close(f"h_n (run {run})", h, h_ref, atol=ATOL, rtol=RTOL)
+            assert_close(f"c_n (run {run})", c, c_ref, atol=ATOL, rtol=RTOL)
+        y = model(padded)[0]
+        assert_close("padded y", y, lstm(padded)[0], atol=ATOL, rtol=RTOL)

@@ -39,13 +39,21 @@ PADDED = {
 }
 
 
+def small_chunks(monkeypatch):
+    """Chunks of 4 rows for the scan kernel, and of 2 rows per lane, 8 rows (4 lanes) per
+    chunk for the in-order kernel of sum and mean."""
+    monkeypatch.setattr(tk, "CHUNK_ELEMENTS", 4)
+    monkeypatch.setattr(tk, "MIN_CHUNK_ROWS", 4)
+    monkeypatch.setattr(tk, "ROWS_PER_THREAD", 2)
+    monkeypatch.setattr(tk, "ROWS_IN_ORDER_THREADS", 4)
+
+
 @pytest.fixture
 def chunks_of_4(monkeypatch):
     """Chunks of 4 rows: short segments lie inside a chunk (written by the first pass),
     long ones cross chunk edges (finished by the combine pass). The other tests use the
     default chunks, where these small inputs fit in one chunk."""
-    monkeypatch.setattr(tk, "CHUNK_ELEMENTS", 4)
-    monkeypatch.setattr(tk, "MIN_CHUNK_ROWS", 4)
+    small_chunks(monkeypatch)
 
 
 def make_idx(lengths, device):
@@ -250,17 +258,18 @@ def test_empty_segments_give_zero_with_finite_zero_gradient(device):
             assert torch.isfinite(second).all()
 
 
+@pytest.mark.parametrize("rows_in_order", [True, False], ids=["in-order", "scan"])
 @pytest.mark.parametrize("counts_in_value_scan", [True, False], ids=["one-scan", "two-scans"])
 @pytest.mark.parametrize("zero_fill_in_kernel", [True, False], ids=["fill-in-kernel", "fill-by-torch-zeros"])
-def test_empty_segments_are_zero_in_uninitialised_memory(zero_fill_in_kernel, counts_in_value_scan, device,
-                                                         monkeypatch):
+def test_empty_segments_are_zero_in_uninitialised_memory(zero_fill_in_kernel, counts_in_value_scan, rows_in_order,
+                                                         device, monkeypatch):
     """The output is allocated uninitialised and the first pass zeroes the empty segments
     (or torch.zeros does, in the other configuration): allocate it poisoned (NaN, and -7
     for the counts), so a row nobody writes shows up."""
     monkeypatch.setattr(tk, "ZERO_FILL_IN_KERNEL", zero_fill_in_kernel)
     monkeypatch.setattr(tk, "COUNTS_IN_VALUE_SCAN", counts_in_value_scan)
-    monkeypatch.setattr(tk, "CHUNK_ELEMENTS", 4)
-    monkeypatch.setattr(tk, "MIN_CHUNK_ROWS", 4)
+    monkeypatch.setattr(tk, "ROWS_IN_ORDER", rows_in_order)
+    small_chunks(monkeypatch)
     lengths = [0, 0, 3, 0, 0, 0, 5, 1, 0, 6, 0]
     idx = make_idx(lengths, device)
     num_segments = len(lengths) + 9
@@ -303,8 +312,7 @@ def test_output_shapes(device):
 
 def test_wide_rows_use_several_column_blocks(device, monkeypatch):
     # 70 columns: two column blocks of the reduction and of the row-wise maps.
-    monkeypatch.setattr(tk, "CHUNK_ELEMENTS", 4)
-    monkeypatch.setattr(tk, "MIN_CHUNK_ROWS", 4)
+    small_chunks(monkeypatch)
     idx = make_idx([3, 0, 6, 1], device)
     x = torch.randn(10, 70, dtype=torch.float64, device=device, requires_grad=True)
     for op in ("sum", "mean", "rms_norm"):

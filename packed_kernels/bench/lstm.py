@@ -1,7 +1,7 @@
 """Benchmark cases of the persistent LSTM chapter: pyannote's segmentation stack.
 
 Four bidirectional layers, 60 input features, hidden size 128, 589 frames (10 s of
-audio), at batch 1, 8, 32 and 128; a hidden-256 variant; and a packed batch of
+audio), at batch 1, 8, 32, 64, 128 and 256; a hidden-256 variant; and a packed batch of
 chunks of different lengths. Providers: cuDNN through ``nn.LSTM`` (float32, TF32
 off), ``PersistentLSTM`` and, at small batch, the padded PyTorch stage.
 
@@ -145,7 +145,7 @@ def cases() -> Iterable[Case]:
     step_ms = handoff_latency_ms()
     notes = {"handoff_us": step_ms * 1e3}
     I, H, layers, T = PYANNOTE["I"], PYANNOTE["H"], PYANNOTE["layers"], PYANNOTE["T"]
-    for H_case, batches in ((H, (1, 8, 32, 128)), (256, (32,))):
+    for H_case, batches in ((H, (1, 8, 32, 64, 128, 256)), (256, (32,))):
         for B in batches:
             shape = (B, T, I, H_case, layers)
             providers = {"cudnn": _cudnn(*shape), "triton_persistent": _persistent(*shape)}

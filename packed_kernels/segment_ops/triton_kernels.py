@@ -50,6 +50,32 @@ SCALE_ROWS = 2  # out[i, c] = a[i, c] * b[s, c or 0]
 RMS_BACKWARD = 3  # out[i, c] = a[i, c] * b[s] / (count[s] * r[s]), 0 where r[s] = 0
 
 
+@triton.constexpr_function
+def _bit_reversed(index, bits):
+    index, bits = int(index), int(bits)
+    return int(format(index, f"0{bits}b")[::-1], 2) if bits else 0
+
+
+@triton.jit
+def split_columns(x, ROWS: tl.constexpr, COLS: tl.constexpr, BITS: tl.constexpr):
+    """``[ROWS, COLS]`` -> tuple of the ``COLS`` columns (``[ROWS]`` each), ``COLS = 2 ** BITS``.
+
+    A tree of ``tl.split``: registers are rearranged, nothing goes through memory
+    when each thread holds whole rows.
+    """
+    parts = (x,)
+    for level in tl.static_range(BITS):
+        new = ()
+        for p in tl.static_range(1 << level):
+            a, b = tl.split(tl.reshape(parts[p], (ROWS, COLS >> (level + 1), 2)))
+            new = new + (a, b)
+        parts = new
+    columns = ()
+    for c in tl.static_range(COLS):
+        columns = columns + (tl.reshape(parts[_bit_reversed(c, BITS)], (ROWS,)),)
+    return columns
+
+
 @triton.jit
 def _segmented_add(start_a, value_a, start_b, value_b):
     """Combine of the segmented scan: a run start on the right cuts the sum off."""
@@ -201,6 +227,157 @@ def segment_reduce_chunks_kernel(
         tl.store(part_segment_ptr + part + 1, tail_segment)
         tl.store(part_count_ptr + part, tl.sum(tl.where(is_head, count, 0), axis=0))
         tl.store(part_count_ptr + part + 1, tl.sum(tl.where(is_tail, count, 0), axis=0))
+
+
+@triton.jit
+def _rows_of_lanes(ptr, base, N, other, ROWS_PER_THREAD: tl.constexpr, THREADS: tl.constexpr,
+                   BITS: tl.constexpr, TILE: tl.constexpr):
+    """Tuple of ``ROWS_PER_THREAD`` vectors: entry ``r`` holds ``ptr[base[t] + r]`` for every lane ``t``.
+
+    ``TILE``: one ``[THREADS, ROWS_PER_THREAD]`` load of contiguous rows (wide, coalesced),
+    split in registers; otherwise one strided load per row.
+    """
+    if TILE:
+        rows = base[:, None] + tl.arange(0, ROWS_PER_THREAD)[None, :]
+        tile = tl.load(ptr + rows, mask=rows < N, other=other)
+        return split_columns(tile, THREADS, ROWS_PER_THREAD, BITS)
+    else:
+        entries = ()
+        for r in tl.static_range(ROWS_PER_THREAD):
+            entries = entries + (tl.load(ptr + base + r, mask=base + r < N, other=other),)
+        return entries
+
+
+@triton.jit
+def segment_sum_rows_kernel(
+    x_ptr, idx_ptr, out_ptr, counts_ptr,
+    part_value_ptr, part_segment_ptr, part_count_ptr,
+    N, num_segments,
+    EPILOGUE: tl.constexpr, WRITE_COUNTS: tl.constexpr, NEED_COUNTS: tl.constexpr, ZERO_FILL: tl.constexpr,
+    ROWS_PER_THREAD: tl.constexpr, BITS: tl.constexpr, THREADS: tl.constexpr, TILE: tl.constexpr,
+    ACC_DTYPE: tl.constexpr,
+):
+    """First pass of ``sum`` and ``mean`` of scalar rows, each lane walking its rows in order.
+
+    Same maths, same output and the same partial rows as
+    :func:`segment_reduce_chunks_kernel` (``TOTAL`` or ``DIVIDE_BY_COUNT``, one column),
+    for a chunk of ``THREADS * ROWS_PER_THREAD`` rows, with less work per row: lane
+    ``t`` owns the ``ROWS_PER_THREAD`` consecutive rows from ``row0 + t ROWS_PER_THREAD``
+    and walks them one after another with a running sum that restarts where ``idx``
+    changes, so a row costs one add and one compare instead of the steps of a scan
+    over the chunk. A run that starts and ends inside a lane is stored by that lane
+    as soon as it ends. What crosses lanes is settled by one segmented scan over the
+    ``THREADS`` lanes (not over the rows): lane ``t``'s last run continues in lane
+    ``t + 1`` unless that lane starts a new segment. Then, per lane:
+
+    * its first run, if it ends inside the lane: the previous lanes' share (the scan
+      at ``t - 1``) plus the lane's own rows of it;
+    * its last run, if it ends at the lane's last row: the scan at ``t``.
+
+    Rows past ``N`` continue the chunk's last run with zeros (and are not counted),
+    so they never start a run. The chunk's first and last runs go to the partial
+    buffer for :func:`segment_reduce_combine_kernel`, exactly as in the scan kernel.
+    Every sum is taken in the rows' order: deterministic, no atomics.
+    """
+    pid = tl.program_id(0)
+    CHUNK: tl.constexpr = THREADS * ROWS_PER_THREAD
+    row0 = pid * CHUNK
+    lane = tl.arange(0, THREADS)
+    base = row0 + lane * ROWS_PER_THREAD
+    chunk_end = tl.minimum(row0 + CHUNK, N)
+    head_segment = tl.load(idx_ptr + row0)
+    tail_segment = tl.load(idx_ptr + chunk_end - 1)
+
+    if ZERO_FILL:
+        # As in segment_reduce_chunks_kernel: this chunk zeroes the empty segments from
+        # its first segment (exclusive) up to the next chunk's first one (exclusive).
+        next_head = tl.load(idx_ptr + row0 + CHUNK, mask=row0 + CHUNK < N, other=num_segments)
+        fill_start = tl.where(pid == 0, 0, head_segment + 1)
+        for start in range(fill_start, next_head, THREADS):
+            fill = start + lane
+            fill_ok = fill < next_head
+            tl.store(out_ptr + fill, tl.zeros((THREADS,), dtype=out_ptr.dtype.element_ty), mask=fill_ok)
+            if WRITE_COUNTS:
+                tl.store(counts_ptr + fill, tl.zeros((THREADS,), dtype=tl.int32), mask=fill_ok)
+        tl.debug_barrier()  # the zeros land before the totals stored below
+
+    segments = _rows_of_lanes(idx_ptr, base, N, tail_segment, ROWS_PER_THREAD, THREADS, BITS, TILE)
+    values = _rows_of_lanes(x_ptr, base, N, 0.0, ROWS_PER_THREAD, THREADS, BITS, TILE)
+    # The segment of the row before each lane's first row (-1 for lane 0: nothing before).
+    before = tl.load(idx_ptr + base - 1, mask=(lane > 0) & (base - 1 < N), other=tail_segment)
+    before = tl.where(lane == 0, -1, before)
+    first = segments[0]
+    starts_at_lane = first != before
+    running = values[0].to(ACC_DTYPE)
+    count = (base < N).to(tl.int32)
+    first_run = tl.zeros((THREADS,), dtype=ACC_DTYPE)
+    first_count = tl.zeros((THREADS,), dtype=tl.int32)
+    ended = tl.zeros((THREADS,), dtype=tl.int1)  # a run has ended inside the lane
+    for r in tl.static_range(1, ROWS_PER_THREAD):
+        previous = segments[r - 1]
+        value = values[r].to(ACC_DTYPE)
+        new_run = segments[r] != previous
+        # The run of `previous` ended at the row before: store it if it began in this
+        # lane and is not one of the chunk's edge runs; keep it if it is the lane's first.
+        store = new_run & ended & (previous != head_segment) & (previous != tail_segment)
+        if EPILOGUE == 0:
+            finished = running
+        else:
+            finished = running / tl.maximum(count, 1).to(ACC_DTYPE)
+        tl.store(out_ptr + previous, finished.to(out_ptr.dtype.element_ty), mask=store)
+        if WRITE_COUNTS:
+            tl.store(counts_ptr + previous, count, mask=store)
+        keep = new_run & ~ended
+        first_run = tl.where(keep, running, first_run)
+        first_count = tl.where(keep, count, first_count)
+        ended = ended | new_run
+        running = tl.where(new_run, value, running + value)
+        count = tl.where(new_run, 0, count) + (base + r < N).to(tl.int32)
+    last = segments[ROWS_PER_THREAD - 1]  # the segment of each lane's last run
+
+    # Across lanes: lane t's last run holds nothing from lane t - 1 when a run began in t.
+    fresh = (ended | starts_at_lane).to(tl.int32)
+    _, carried = tl.associative_scan((fresh, running), 0, _segmented_add)
+    shift = tl.maximum(lane - 1, 0)
+    first_total = tl.where(starts_at_lane, 0.0, tl.gather(carried, shift, 0)) + first_run
+    if NEED_COUNTS:
+        _, carried_count = tl.associative_scan((fresh, count), 0, _segmented_add)
+        first_count = tl.where(starts_at_lane, 0, tl.gather(carried_count, shift, 0)) + first_count
+    else:
+        carried_count = count
+    following = tl.load(idx_ptr + base + ROWS_PER_THREAD,
+                        mask=(lane < THREADS - 1) & (base + ROWS_PER_THREAD < N), other=tail_segment)
+    last_ends = (following != last) | (lane == THREADS - 1)
+
+    first_store = ended & (first != head_segment) & (first != tail_segment)
+    last_store = last_ends & (last != head_segment) & (last != tail_segment)
+    if EPILOGUE == 0:
+        first_finished = first_total
+        last_finished = carried
+    else:
+        first_finished = first_total / tl.maximum(first_count, 1).to(ACC_DTYPE)
+        last_finished = carried / tl.maximum(carried_count, 1).to(ACC_DTYPE)
+    tl.store(out_ptr + first, first_finished.to(out_ptr.dtype.element_ty), mask=first_store)
+    tl.store(out_ptr + last, last_finished.to(out_ptr.dtype.element_ty), mask=last_store)
+    if WRITE_COUNTS:
+        tl.store(counts_ptr + first, first_count, mask=first_store)
+        tl.store(counts_ptr + last, carried_count, mask=last_store)
+
+    # The chunk's first run ends inside a lane (first_total) or at a lane's last row (carried).
+    head_in_lane = ended & (first == head_segment)
+    head_at_edge = last_ends & (last == head_segment)
+    head_value = (tl.sum(tl.where(head_in_lane, first_total, 0.0), axis=0)
+                  + tl.sum(tl.where(head_at_edge, carried, 0.0), axis=0))
+    head_count = (tl.sum(tl.where(head_in_lane, first_count, 0), axis=0)
+                  + tl.sum(tl.where(head_at_edge, carried_count, 0), axis=0))
+    is_tail = (lane == THREADS - 1) & (tail_segment != head_segment)
+    part = 2 * pid
+    tl.store(part_value_ptr + part, head_value)
+    tl.store(part_value_ptr + part + 1, tl.sum(tl.where(is_tail, carried, 0.0), axis=0))
+    tl.store(part_segment_ptr + part, head_segment)
+    tl.store(part_segment_ptr + part + 1, tail_segment)
+    tl.store(part_count_ptr + part, head_count)
+    tl.store(part_count_ptr + part + 1, tl.sum(tl.where(is_tail, carried_count, 0), axis=0))
 
 
 @triton.jit
@@ -382,10 +559,32 @@ MIN_CHUNK_ROWS = 64
 ROWWISE_ELEMENTS = 4096
 #: Warps per program of the first reduction pass (None: by the chunk's size).
 CHUNK_WARPS = None
+#: Warps per program of the combine pass (most of its programs own no segment and exit
+#: after two loads: small programs let more of them run at once).
+COMBINE_WARPS = 1
 #: Zero the empty segments inside the first pass (True) or with ``torch.zeros`` first.
 ZERO_FILL_IN_KERNEL = True
 #: Count the rows of each run (mean, rms) in the values' scan (True) or in a second scan.
 COUNTS_IN_VALUE_SCAN = True
+
+
+#: ``sum`` and ``mean`` of scalar rows walk each lane's rows in order
+#: (:func:`segment_sum_rows_kernel`) instead of scanning the chunk; False: the scan kernel.
+ROWS_IN_ORDER = True
+#: Rows each lane of that kernel walks (a power of two), and lanes per chunk.
+ROWS_PER_THREAD = 32
+ROWS_IN_ORDER_THREADS = 128
+#: Load each lane's rows as one tile split in registers (True) or row by row.
+ROWS_AS_TILE = True
+#: Warps per program of that kernel (None: one lane per thread).
+ROWS_IN_ORDER_WARPS = None
+
+
+def _rows_in_order_shape(N: int):
+    """``(rows per lane, lanes, warps)`` of a chunk of :func:`segment_sum_rows_kernel`."""
+    # no more lanes than the input needs (padding lanes still take the scan's steps)
+    threads = min(ROWS_IN_ORDER_THREADS, max(2, triton.next_power_of_2(triton.cdiv(N, ROWS_PER_THREAD))))
+    return ROWS_PER_THREAD, threads, ROWS_IN_ORDER_WARPS or max(1, min(16, threads // 32))
 
 
 def uninitialised(shape, dtype, device) -> torch.Tensor:
@@ -442,24 +641,37 @@ def segment_reduce(x: torch.Tensor, y, idx: torch.Tensor, num_segments: int, pro
     n_chunks = triton.cdiv(N, block_rows)
     col_blocks = triton.cdiv(n_cols, block_cols)
     acc_torch = torch.float64 if x.dtype == torch.float64 else torch.float32
-    part_value = torch.empty((2 * n_chunks, n_cols), dtype=acc_torch, device=x.device)
-    # Segment ids and row counts of the partials share one allocation (fewer host calls).
-    part_segment, part_count = torch.empty((2, 2 * n_chunks), dtype=torch.int32, device=x.device).unbind(0)
     y_arg = x if y is None else y
-    segment_reduce_chunks_kernel[(n_chunks, col_blocks)](
-        x, y_arg, idx, out, counts, part_value, part_segment, part_count,
-        N, D, K, n_cols, num_segments,
-        PROLOGUE=prologue, EPILOGUE=epilogue, WRITE_COUNTS=write_counts, ZERO_FILL=ZERO_FILL_IN_KERNEL,
-        ONE_SCAN=COUNTS_IN_VALUE_SCAN,
-        NEED_COUNTS=write_counts or epilogue != TOTAL,
-        BLOCK_ROWS=block_rows, BLOCK_COLS=block_cols, ACC_DTYPE=acc,
-        num_warps=CHUNK_WARPS or _warps_for(block_rows * block_cols),
-    )
+    if prologue == ROW_VALUE and epilogue in (TOTAL, DIVIDE_BY_COUNT) and n_cols == 1 and ROWS_IN_ORDER:
+        rows_per_thread, threads, warps = _rows_in_order_shape(N)
+        n_chunks = triton.cdiv(N, rows_per_thread * threads)
+        part_value = torch.empty((2 * n_chunks, n_cols), dtype=acc_torch, device=x.device)
+        part_segment, part_count = torch.empty((2, 2 * n_chunks), dtype=torch.int32, device=x.device).unbind(0)
+        segment_sum_rows_kernel[(n_chunks,)](
+            x, idx, out, counts, part_value, part_segment, part_count, N, num_segments,
+            EPILOGUE=epilogue, WRITE_COUNTS=write_counts, NEED_COUNTS=write_counts or epilogue != TOTAL,
+            ZERO_FILL=ZERO_FILL_IN_KERNEL, ROWS_PER_THREAD=rows_per_thread,
+            BITS=rows_per_thread.bit_length() - 1, THREADS=threads, TILE=ROWS_AS_TILE,
+            ACC_DTYPE=acc, num_warps=warps,
+        )
+    else:
+        part_value = torch.empty((2 * n_chunks, n_cols), dtype=acc_torch, device=x.device)
+        # Segment ids and row counts of the partials share one allocation (fewer host calls).
+        part_segment, part_count = torch.empty((2, 2 * n_chunks), dtype=torch.int32, device=x.device).unbind(0)
+        segment_reduce_chunks_kernel[(n_chunks, col_blocks)](
+            x, y_arg, idx, out, counts, part_value, part_segment, part_count,
+            N, D, K, n_cols, num_segments,
+            PROLOGUE=prologue, EPILOGUE=epilogue, WRITE_COUNTS=write_counts, ZERO_FILL=ZERO_FILL_IN_KERNEL,
+            ONE_SCAN=COUNTS_IN_VALUE_SCAN,
+            NEED_COUNTS=write_counts or epilogue != TOTAL,
+            BLOCK_ROWS=block_rows, BLOCK_COLS=block_cols, ACC_DTYPE=acc,
+            num_warps=CHUNK_WARPS or _warps_for(block_rows * block_cols),
+        )
     segment_reduce_combine_kernel[(2 * n_chunks, col_blocks)](
         part_value, part_segment, part_count, out, counts, 2 * n_chunks, n_cols,
         EPILOGUE=epilogue, WRITE_COUNTS=write_counts,
         BLOCK_PARTS=128, BLOCK_COLS=block_cols, ACC_DTYPE=acc,
-        num_warps=4,
+        num_warps=COMBINE_WARPS,
     )
     return out, counts
 
