@@ -258,7 +258,7 @@ def test_empty_segments_give_zero_with_finite_zero_gradient(device):
             assert torch.isfinite(second).all()
 
 
-@pytest.mark.parametrize("rows_in_order", [True, False], ids=["in-order", "scan"])
+@pytest.mark.parametrize("rows_in_order", [4, 0], ids=["in-order", "scan"])
 @pytest.mark.parametrize("counts_in_value_scan", [True, False], ids=["one-scan", "two-scans"])
 @pytest.mark.parametrize("zero_fill_in_kernel", [True, False], ids=["fill-in-kernel", "fill-by-torch-zeros"])
 def test_empty_segments_are_zero_in_uninitialised_memory(zero_fill_in_kernel, counts_in_value_scan, rows_in_order,
@@ -268,7 +268,7 @@ def test_empty_segments_are_zero_in_uninitialised_memory(zero_fill_in_kernel, co
     for the counts), so a row nobody writes shows up."""
     monkeypatch.setattr(tk, "ZERO_FILL_IN_KERNEL", zero_fill_in_kernel)
     monkeypatch.setattr(tk, "COUNTS_IN_VALUE_SCAN", counts_in_value_scan)
-    monkeypatch.setattr(tk, "ROWS_IN_ORDER", rows_in_order)
+    monkeypatch.setattr(tk, "ROWS_IN_ORDER_MAX_COLS", rows_in_order)
     small_chunks(monkeypatch)
     lengths = [0, 0, 3, 0, 0, 0, 5, 1, 0, 6, 0]
     idx = make_idx(lengths, device)

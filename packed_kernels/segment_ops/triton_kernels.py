@@ -17,7 +17,10 @@ Two kinds of kernel cover the six operations and all of their derivatives:
   chunk's first run and last run may continue in the neighbouring chunks: they are
   written as two partial rows to a small buffer, and a second pass adds up the
   partials of each segment in a fixed order. No atomics: the result is bitwise
-  reproducible.
+  reproducible. ``sum`` and ``mean`` of narrow rows (up to
+  :data:`ROWS_IN_ORDER_MAX_COLS` columns) use a cheaper first pass with the same
+  chunks and partials: each lane walks its own consecutive rows in order, and the
+  scan runs over lanes instead of rows (:func:`segment_sum_rows_kernel`).
 * **Row-wise maps** (the gradients of the reductions, ``mul`` and ``matvec``):
   ``out[i] = g(row i, segment row idx[i])``; one program per block of rows, no
   reduction at all.
@@ -230,21 +233,22 @@ def segment_reduce_chunks_kernel(
 
 
 @triton.jit
-def _rows_of_lanes(ptr, base, N, other, ROWS_PER_THREAD: tl.constexpr, THREADS: tl.constexpr,
+def _rows_of_lanes(ptr, base, N, stride, other, ROWS_PER_THREAD: tl.constexpr, THREADS: tl.constexpr,
                    BITS: tl.constexpr, TILE: tl.constexpr):
-    """Tuple of ``ROWS_PER_THREAD`` vectors: entry ``r`` holds ``ptr[base[t] + r]`` for every lane ``t``.
+    """Tuple of ``ROWS_PER_THREAD`` vectors: entry ``r`` holds ``ptr[(base[t] + r) stride]`` for every lane ``t``.
 
-    ``TILE``: one ``[THREADS, ROWS_PER_THREAD]`` load of contiguous rows (wide, coalesced),
-    split in registers; otherwise one strided load per row.
+    ``TILE``: one ``[THREADS, ROWS_PER_THREAD]`` load of the lanes' rows (wide and
+    coalesced when ``stride`` is 1), split in registers; otherwise one load per row.
     """
     if TILE:
         rows = base[:, None] + tl.arange(0, ROWS_PER_THREAD)[None, :]
-        tile = tl.load(ptr + rows, mask=rows < N, other=other)
+        tile = tl.load(ptr + rows.to(tl.int64) * stride, mask=rows < N, other=other)
         return split_columns(tile, THREADS, ROWS_PER_THREAD, BITS)
     else:
         entries = ()
         for r in tl.static_range(ROWS_PER_THREAD):
-            entries = entries + (tl.load(ptr + base + r, mask=base + r < N, other=other),)
+            row = base + r
+            entries = entries + (tl.load(ptr + row.to(tl.int64) * stride, mask=row < N, other=other),)
         return entries
 
 
@@ -252,16 +256,19 @@ def _rows_of_lanes(ptr, base, N, other, ROWS_PER_THREAD: tl.constexpr, THREADS: 
 def segment_sum_rows_kernel(
     x_ptr, idx_ptr, out_ptr, counts_ptr,
     part_value_ptr, part_segment_ptr, part_count_ptr,
-    N, num_segments,
+    N, n_cols, num_segments,
     EPILOGUE: tl.constexpr, WRITE_COUNTS: tl.constexpr, NEED_COUNTS: tl.constexpr, ZERO_FILL: tl.constexpr,
     ROWS_PER_THREAD: tl.constexpr, BITS: tl.constexpr, THREADS: tl.constexpr, TILE: tl.constexpr,
     ACC_DTYPE: tl.constexpr,
 ):
-    """First pass of ``sum`` and ``mean`` of scalar rows, each lane walking its rows in order.
+    """First pass of ``sum`` and ``mean`` of narrow rows, each lane walking its rows in order.
 
     Same maths, same output and the same partial rows as
-    :func:`segment_reduce_chunks_kernel` (``TOTAL`` or ``DIVIDE_BY_COUNT``, one column),
-    for a chunk of ``THREADS * ROWS_PER_THREAD`` rows, with less work per row: lane
+    :func:`segment_reduce_chunks_kernel` (``TOTAL`` or ``DIVIDE_BY_COUNT``), for a
+    chunk of ``THREADS * ROWS_PER_THREAD`` rows and one column ``c`` of ``x`` per
+    program (program ``pid`` takes chunk ``pid // n_cols`` and column ``pid % n_cols``,
+    so the programs of one chunk run side by side and share its ``idx`` and rows in
+    the cache), with less work per row: lane
     ``t`` owns the ``ROWS_PER_THREAD`` consecutive rows from ``row0 + t ROWS_PER_THREAD``
     and walks them one after another with a running sum that restarts where ``idx``
     changes, so a row costs one add and one compare instead of the steps of a scan
@@ -279,12 +286,15 @@ def segment_sum_rows_kernel(
     buffer for :func:`segment_reduce_combine_kernel`, exactly as in the scan kernel.
     Every sum is taken in the rows' order: deterministic, no atomics.
     """
-    pid = tl.program_id(0)
+    chunk = tl.program_id(0) // n_cols
+    column = tl.program_id(0) % n_cols
     CHUNK: tl.constexpr = THREADS * ROWS_PER_THREAD
-    row0 = pid * CHUNK
+    row0 = chunk * CHUNK
     lane = tl.arange(0, THREADS)
     base = row0 + lane * ROWS_PER_THREAD
     chunk_end = tl.minimum(row0 + CHUNK, N)
+    # Counts are written by the chunk's column-0 program (a vector, for the interpreter's stores).
+    writes_counts = (lane * 0 + column) == 0
     head_segment = tl.load(idx_ptr + row0)
     tail_segment = tl.load(idx_ptr + chunk_end - 1)
 
@@ -292,17 +302,18 @@ def segment_sum_rows_kernel(
         # As in segment_reduce_chunks_kernel: this chunk zeroes the empty segments from
         # its first segment (exclusive) up to the next chunk's first one (exclusive).
         next_head = tl.load(idx_ptr + row0 + CHUNK, mask=row0 + CHUNK < N, other=num_segments)
-        fill_start = tl.where(pid == 0, 0, head_segment + 1)
+        fill_start = tl.where(chunk == 0, 0, head_segment + 1)
         for start in range(fill_start, next_head, THREADS):
             fill = start + lane
             fill_ok = fill < next_head
-            tl.store(out_ptr + fill, tl.zeros((THREADS,), dtype=out_ptr.dtype.element_ty), mask=fill_ok)
+            tl.store(out_ptr + fill.to(tl.int64) * n_cols + column,
+                     tl.zeros((THREADS,), dtype=out_ptr.dtype.element_ty), mask=fill_ok)
             if WRITE_COUNTS:
-                tl.store(counts_ptr + fill, tl.zeros((THREADS,), dtype=tl.int32), mask=fill_ok)
+                tl.store(counts_ptr + fill, tl.zeros((THREADS,), dtype=tl.int32), mask=fill_ok & writes_counts)
         tl.debug_barrier()  # the zeros land before the totals stored below
 
-    segments = _rows_of_lanes(idx_ptr, base, N, tail_segment, ROWS_PER_THREAD, THREADS, BITS, TILE)
-    values = _rows_of_lanes(x_ptr, base, N, 0.0, ROWS_PER_THREAD, THREADS, BITS, TILE)
+    segments = _rows_of_lanes(idx_ptr, base, N, 1, tail_segment, ROWS_PER_THREAD, THREADS, BITS, TILE)
+    values = _rows_of_lanes(x_ptr + column, base, N, n_cols, 0.0, ROWS_PER_THREAD, THREADS, BITS, TILE)
     # The segment of the row before each lane's first row (-1 for lane 0: nothing before).
     before = tl.load(idx_ptr + base - 1, mask=(lane > 0) & (base - 1 < N), other=tail_segment)
     before = tl.where(lane == 0, -1, before)
@@ -324,9 +335,10 @@ def segment_sum_rows_kernel(
             finished = running
         else:
             finished = running / tl.maximum(count, 1).to(ACC_DTYPE)
-        tl.store(out_ptr + previous, finished.to(out_ptr.dtype.element_ty), mask=store)
+        tl.store(out_ptr + previous.to(tl.int64) * n_cols + column, finished.to(out_ptr.dtype.element_ty),
+                 mask=store)
         if WRITE_COUNTS:
-            tl.store(counts_ptr + previous, count, mask=store)
+            tl.store(counts_ptr + previous, count, mask=store & writes_counts)
         keep = new_run & ~ended
         first_run = tl.where(keep, running, first_run)
         first_count = tl.where(keep, count, first_count)
@@ -357,11 +369,13 @@ def segment_sum_rows_kernel(
     else:
         first_finished = first_total / tl.maximum(first_count, 1).to(ACC_DTYPE)
         last_finished = carried / tl.maximum(carried_count, 1).to(ACC_DTYPE)
-    tl.store(out_ptr + first, first_finished.to(out_ptr.dtype.element_ty), mask=first_store)
-    tl.store(out_ptr + last, last_finished.to(out_ptr.dtype.element_ty), mask=last_store)
+    tl.store(out_ptr + first.to(tl.int64) * n_cols + column, first_finished.to(out_ptr.dtype.element_ty),
+             mask=first_store)
+    tl.store(out_ptr + last.to(tl.int64) * n_cols + column, last_finished.to(out_ptr.dtype.element_ty),
+             mask=last_store)
     if WRITE_COUNTS:
-        tl.store(counts_ptr + first, first_count, mask=first_store)
-        tl.store(counts_ptr + last, carried_count, mask=last_store)
+        tl.store(counts_ptr + first, first_count, mask=first_store & writes_counts)
+        tl.store(counts_ptr + last, carried_count, mask=last_store & writes_counts)
 
     # The chunk's first run ends inside a lane (first_total) or at a lane's last row (carried).
     head_in_lane = ended & (first == head_segment)
@@ -371,13 +385,14 @@ def segment_sum_rows_kernel(
     head_count = (tl.sum(tl.where(head_in_lane, first_count, 0), axis=0)
                   + tl.sum(tl.where(head_at_edge, carried_count, 0), axis=0))
     is_tail = (lane == THREADS - 1) & (tail_segment != head_segment)
-    part = 2 * pid
-    tl.store(part_value_ptr + part, head_value)
-    tl.store(part_value_ptr + part + 1, tl.sum(tl.where(is_tail, carried, 0.0), axis=0))
-    tl.store(part_segment_ptr + part, head_segment)
-    tl.store(part_segment_ptr + part + 1, tail_segment)
-    tl.store(part_count_ptr + part, head_count)
-    tl.store(part_count_ptr + part + 1, tl.sum(tl.where(is_tail, carried_count, 0), axis=0))
+    part = 2 * chunk.to(tl.int64)
+    tl.store(part_value_ptr + part * n_cols + column, head_value)
+    tl.store(part_value_ptr + (part + 1) * n_cols + column, tl.sum(tl.where(is_tail, carried, 0.0), axis=0))
+    if column == 0:
+        tl.store(part_segment_ptr + part, head_segment)
+        tl.store(part_segment_ptr + part + 1, tail_segment)
+        tl.store(part_count_ptr + part, head_count)
+        tl.store(part_count_ptr + part + 1, tl.sum(tl.where(is_tail, carried_count, 0), axis=0))
 
 
 @triton.jit
@@ -568,9 +583,10 @@ ZERO_FILL_IN_KERNEL = True
 COUNTS_IN_VALUE_SCAN = True
 
 
-#: ``sum`` and ``mean`` of scalar rows walk each lane's rows in order
-#: (:func:`segment_sum_rows_kernel`) instead of scanning the chunk; False: the scan kernel.
-ROWS_IN_ORDER = True
+#: ``sum`` and ``mean`` of rows with at most this many columns walk each lane's rows in
+#: order (:func:`segment_sum_rows_kernel`, one column per program) instead of scanning
+#: the chunk; wider rows (and 0: all rows) use the scan kernel.
+ROWS_IN_ORDER_MAX_COLS = 4
 #: Rows each lane of that kernel walks (a power of two), and lanes per chunk.
 ROWS_PER_THREAD = 32
 ROWS_IN_ORDER_THREADS = 128
@@ -642,13 +658,13 @@ def segment_reduce(x: torch.Tensor, y, idx: torch.Tensor, num_segments: int, pro
     col_blocks = triton.cdiv(n_cols, block_cols)
     acc_torch = torch.float64 if x.dtype == torch.float64 else torch.float32
     y_arg = x if y is None else y
-    if prologue == ROW_VALUE and epilogue in (TOTAL, DIVIDE_BY_COUNT) and n_cols == 1 and ROWS_IN_ORDER:
+    if prologue == ROW_VALUE and epilogue in (TOTAL, DIVIDE_BY_COUNT) and n_cols <= ROWS_IN_ORDER_MAX_COLS:
         rows_per_thread, threads, warps = _rows_in_order_shape(N)
         n_chunks = triton.cdiv(N, rows_per_thread * threads)
         part_value = torch.empty((2 * n_chunks, n_cols), dtype=acc_torch, device=x.device)
         part_segment, part_count = torch.empty((2, 2 * n_chunks), dtype=torch.int32, device=x.device).unbind(0)
-        segment_sum_rows_kernel[(n_chunks,)](
-            x, idx, out, counts, part_value, part_segment, part_count, N, num_segments,
+        segment_sum_rows_kernel[(n_chunks * n_cols,)](
+            x, idx, out, counts, part_value, part_segment, part_count, N, n_cols, num_segments,
             EPILOGUE=epilogue, WRITE_COUNTS=write_counts, NEED_COUNTS=write_counts or epilogue != TOTAL,
             ZERO_FILL=ZERO_FILL_IN_KERNEL, ROWS_PER_THREAD=rows_per_thread,
             BITS=rows_per_thread.bit_length() - 1, THREADS=threads, TILE=ROWS_AS_TILE,
