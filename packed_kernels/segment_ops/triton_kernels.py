@@ -34,6 +34,8 @@ import torch
 import triton
 import triton.language as tl
 
+from ..register_columns import split_columns
+
 # Prologues of the segmented reduction: what each row contributes.
 ROW_VALUE = 0  # x[i, c]
 ROW_PRODUCT = 1  # x[i, c] * y[i, c]
@@ -51,32 +53,6 @@ GATHER = 0  # out[i, c] = b[s, c]
 GATHER_OVER_COUNT = 1  # out[i, c] = b[s, c] / count[s]
 SCALE_ROWS = 2  # out[i, c] = a[i, c] * b[s, c or 0]
 RMS_BACKWARD = 3  # out[i, c] = a[i, c] * b[s] / (count[s] * r[s]), 0 where r[s] = 0
-
-
-@triton.constexpr_function
-def _bit_reversed(index, bits):
-    index, bits = int(index), int(bits)
-    return int(format(index, f"0{bits}b")[::-1], 2) if bits else 0
-
-
-@triton.jit
-def split_columns(x, ROWS: tl.constexpr, COLS: tl.constexpr, BITS: tl.constexpr):
-    """``[ROWS, COLS]`` -> tuple of the ``COLS`` columns (``[ROWS]`` each), ``COLS = 2 ** BITS``.
-
-    A tree of ``tl.split``: registers are rearranged, nothing goes through memory
-    when each thread holds whole rows.
-    """
-    parts = (x,)
-    for level in tl.static_range(BITS):
-        new = ()
-        for p in tl.static_range(1 << level):
-            a, b = tl.split(tl.reshape(parts[p], (ROWS, COLS >> (level + 1), 2)))
-            new = new + (a, b)
-        parts = new
-    columns = ()
-    for c in tl.static_range(COLS):
-        columns = columns + (tl.reshape(parts[_bit_reversed(c, BITS)], (ROWS,)),)
-    return columns
 
 
 @triton.jit

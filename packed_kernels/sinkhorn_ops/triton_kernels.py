@@ -25,6 +25,7 @@ import triton
 import triton.language as tl
 
 from .. import runtime  # noqa: F401  (decides interpret vs compile before @triton.jit)
+from ..register_columns import join_columns, split_columns
 
 #: Largest n the kernels take; :mod:`.api` uses the padded PyTorch stage beyond it.
 MAX_KERNEL_N = 32
@@ -334,44 +335,6 @@ def sinkhorn_implicit_backward_kernel(R_ptr, grad_ptr, out_ptr, num_tokens, cg_i
 # additions. The forward also iterates on the scaling vectors instead of the matrix.
 
 
-@triton.constexpr_function
-def _bit_reversed(index, bits):
-    index, bits = int(index), int(bits)
-    return int(format(index, f"0{bits}b")[::-1], 2) if bits else 0
-
-
-@triton.jit
-def _split_entries(x, BLOCK: tl.constexpr, NN: tl.constexpr, BITS: tl.constexpr):
-    """``[BLOCK, NN]`` -> tuple of ``NN`` vectors ``[BLOCK]``, entry ``k`` at index ``bit_reversed(k)``."""
-    parts = (x,)
-    for level in tl.static_range(BITS):
-        new = ()
-        for p in tl.static_range(1 << level):
-            a, b = tl.split(tl.reshape(parts[p], (BLOCK, NN >> (level + 1), 2)))
-            new = new + (a, b)
-        parts = new
-    entries = ()
-    for p in tl.static_range(NN):
-        entries = entries + (tl.reshape(parts[_bit_reversed(p, BITS)], (BLOCK,)),)
-    return entries
-
-
-@triton.jit
-def _join_entries(entries, BLOCK: tl.constexpr, NN: tl.constexpr, BITS: tl.constexpr):
-    """Inverse of :func:`_split_entries`: tuple of ``NN`` vectors (natural order) -> ``[BLOCK, NN]``."""
-    parts = ()
-    for p in tl.static_range(NN):
-        parts = parts + (entries[_bit_reversed(p, BITS)],)
-    if BITS == 0:
-        return tl.reshape(parts[0], (BLOCK, 1))
-    for level in tl.static_range(BITS):
-        new = ()
-        for p in tl.static_range(1 << (BITS - 1 - level)):
-            new = new + (tl.reshape(tl.join(parts[2 * p], parts[2 * p + 1]), (BLOCK, 2 << level)),)
-        parts = new
-    return parts[0]
-
-
 @triton.jit
 def _reciprocal_newton(x):
     """``1/x`` by multiply-adds only, to unload the special-function unit (float32, normal x).
@@ -403,7 +366,7 @@ def sinkhorn_forward_small_kernel(logits_ptr, out_ptr, num_tokens, iters,
     tok = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     offsets = tok[:, None] * NN + tl.arange(0, NN)[None, :]
     mask = tok[:, None] < num_tokens
-    x = _split_entries(tl.load(logits_ptr + offsets, mask=mask, other=0.0).to(COMPUTE), BLOCK, NN, BITS)
+    x = split_columns(tl.load(logits_ptr + offsets, mask=mask, other=0.0).to(COMPUTE), BLOCK, NN, BITS)
     K = ()  # K[j][i]: column j
     for j in tl.static_range(n):
         col_max = x[j]
@@ -439,7 +402,7 @@ def sinkhorn_forward_small_kernel(logits_ptr, out_ptr, num_tokens, iters,
     R = ()
     for k in tl.static_range(NN):
         R = R + (u[k // n] * K[k % n][k // n] * v[k % n],)
-    out = _join_entries(R, BLOCK, NN, BITS)
+    out = join_columns(R, BLOCK, NN, BITS)
     tl.store(out_ptr + offsets, out.to(out_ptr.dtype.element_ty), mask=mask)
 
 
@@ -456,8 +419,8 @@ def sinkhorn_implicit_backward_small_kernel(R_ptr, grad_ptr, out_ptr, num_tokens
     tok = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     offsets = tok[:, None] * NN + tl.arange(0, NN)[None, :]
     mask = tok[:, None] < num_tokens
-    R = _split_entries(tl.load(R_ptr + offsets, mask=mask, other=0.0).to(COMPUTE), BLOCK, NN, BITS)
-    dR = _split_entries(tl.load(grad_ptr + offsets, mask=mask, other=0.0).to(COMPUTE), BLOCK, NN, BITS)
+    R = split_columns(tl.load(R_ptr + offsets, mask=mask, other=0.0).to(COMPUTE), BLOCK, NN, BITS)
+    dR = split_columns(tl.load(grad_ptr + offsets, mask=mask, other=0.0).to(COMPUTE), BLOCK, NN, BITS)
     zero = tl.zeros((BLOCK,), dtype=COMPUTE)
     a = ()
     inv_r = ()
@@ -525,7 +488,7 @@ def sinkhorn_implicit_backward_small_kernel(R_ptr, grad_ptr, out_ptr, num_tokens
         alpha_i = inv_r[i] * (a[i] - s_i)
         for j in tl.static_range(n):
             out = out + (R[i * n + j] * (dR[i * n + j] - alpha_i - beta[j]),)
-    dX = _join_entries(out, BLOCK, NN, BITS)
+    dX = join_columns(out, BLOCK, NN, BITS)
     tl.store(out_ptr + offsets, dX.to(out_ptr.dtype.element_ty), mask=mask)
 
 
@@ -553,7 +516,7 @@ def sinkhorn_unrolled_backward_small_kernel(logits_ptr, grad_ptr, out_ptr, num_t
     tok = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     offsets = tok[:, None] * NN + tl.arange(0, NN)[None, :]
     mask = tok[:, None] < num_tokens
-    x = _split_entries(tl.load(logits_ptr + offsets, mask=mask, other=0.0).to(COMPUTE), BLOCK, NN, BITS)
+    x = split_columns(tl.load(logits_ptr + offsets, mask=mask, other=0.0).to(COMPUTE), BLOCK, NN, BITS)
     K = ()  # natural order k = i * n + j
     for k in tl.static_range(NN):
         col_max = x[k % n]
@@ -580,7 +543,7 @@ def sinkhorn_unrolled_backward_small_kernel(logits_ptr, grad_ptr, out_ptr, num_t
             u = u + (_reciprocal(row_sum, FAST),)
         us = us + (u,)
         vs = vs + (v,)
-    G = _split_entries(tl.load(grad_ptr + offsets, mask=mask, other=0.0).to(COMPUTE), BLOCK, NN, BITS)
+    G = split_columns(tl.load(grad_ptr + offsets, mask=mask, other=0.0).to(COMPUTE), BLOCK, NN, BITS)
     u = us[ITERS]  # v: the last iteration's, from the forward loop
     dK = ()
     for k in tl.static_range(NN):
@@ -625,7 +588,7 @@ def sinkhorn_unrolled_backward_small_kernel(logits_ptr, grad_ptr, out_ptr, num_t
     dX = ()
     for k in tl.static_range(NN):
         dX = dX + (dK[k] * K[k],)
-    out = _join_entries(dX, BLOCK, NN, BITS)
+    out = join_columns(dX, BLOCK, NN, BITS)
     tl.store(out_ptr + offsets, out.to(out_ptr.dtype.element_ty), mask=mask)
 
 
