@@ -324,13 +324,14 @@ def choose_config(batch: int, hidden: int, num_directions: int, device: torch.de
             best = (key, RecurrenceConfig(k, block_b, 2, 1 if k > 1 else 0, num_warps, prefetch=prefetch))
     if best is None:
         raise ValueError(f"hidden_size={hidden} is too large for the persistent kernels (at most {MAX_HIDDEN})")
-    if best[0][0] > 1 and block_h <= 128:
+    launches = best[0][0]
+    if launches > 1 and block_h <= 128:
         # A batch too large for one launch of CUDA-core sums: 16 rows per program on the
         # tensor cores (tf32x3) in one launch beat two launches (H200, hidden 128, batch
         # 128: 12.9 ms against 17.3 ms); at hidden 256 the weight slice outgrows shared memory.
         k = max(block_h // 32, 1)
         tiles = sms // (num_directions * k)
-        if tiles >= 1 and triton.cdiv(batch, tiles * 16) < best[0][0]:
+        if tiles >= 1 and triton.cdiv(batch, tiles * 16) < launches:
             return RecurrenceConfig(k, 16, 3, 1 if k > 1 else 0, num_warps)
     return best[1]
 
