@@ -41,11 +41,13 @@ PADDED = {
 
 def small_chunks(monkeypatch):
     """Chunks of 4 rows for the scan kernel, and of 2 rows per lane, 8 rows (4 lanes) per
-    chunk for the in-order kernel of sum and mean."""
+    chunk for the in-order kernel of sum and mean, and blocks of 2 partials in the combine pass."""
     monkeypatch.setattr(tk, "CHUNK_ELEMENTS", 4)
     monkeypatch.setattr(tk, "MIN_CHUNK_ROWS", 4)
     monkeypatch.setattr(tk, "ROWS_PER_THREAD", 2)
+    monkeypatch.setattr(tk, "VECTOR_ROWS_PER_THREAD", 2)
     monkeypatch.setattr(tk, "ROWS_IN_ORDER_THREADS", 4)
+    monkeypatch.setattr(tk, "COMBINE_PARTS", 2)
 
 
 @pytest.fixture
@@ -284,6 +286,33 @@ def test_empty_segments_are_zero_in_uninitialised_memory(zero_fill_in_kernel, co
         assert_close(f"{op} with poisoned memory", out, PADDED[op](x, idx, num_segments), atol=1e-12, rtol=1e-12)
 
 
+@pytest.mark.parametrize("width", [None, 1, 2, 3, 4], ids=["scalar", "D1", "D2", "D3", "D4"])
+@pytest.mark.parametrize("rows_per_lane, lanes, combine_parts", [(2, 4, 2), (4, 2, 4), (1, 8, 256), (8, 2, 2)],
+                         ids=["2x4-parts2", "4x2-parts4", "1x8-parts256", "8x2-parts2"])
+def test_in_order_pass_matches_float64_on_random_layouts(width, rows_per_lane, lanes, combine_parts, device,
+                                                        monkeypatch):
+    """sum and mean of rows of up to 4 columns (the in-order first pass) on random layouts
+    with empty segments and segments longer than several chunks, against float64 NumPy:
+    lanes of 1 to 8 rows, and combine blocks small enough that segments cross them."""
+    monkeypatch.setattr(tk, "ROWS_PER_THREAD", rows_per_lane)
+    monkeypatch.setattr(tk, "VECTOR_ROWS_PER_THREAD", rows_per_lane)
+    monkeypatch.setattr(tk, "ROWS_IN_ORDER_THREADS", lanes)
+    monkeypatch.setattr(tk, "COMBINE_PARTS", combine_parts)
+    g = torch.Generator().manual_seed(zlib.crc32(f"{width}-{rows_per_lane}-{lanes}".encode()))
+    for trial in range(3):
+        lengths = [int(n) for n in torch.randint(0, 4, (12,), generator=g)] + [int(torch.randint(20, 60, (1,), generator=g))]
+        order = torch.randperm(len(lengths), generator=g).tolist()
+        lengths = [lengths[k] for k in order]
+        idx = make_idx(lengths, device)
+        num_segments = len(lengths) + trial
+        shape = (idx.shape[0],) if width is None else (idx.shape[0], width)
+        x = torch.randn(shape, generator=g, dtype=torch.float64).to(device)
+        x_np, idx_np = x.cpu().numpy(), idx.cpu().numpy()
+        for op, reference in (("sum", naive_numpy.segmented_sum), ("mean", naive_numpy.segmented_mean)):
+            want = torch.from_numpy(reference(x_np, idx_np, num_segments))
+            assert_close(f"{op} {lengths}", PUBLIC[op](x, idx, num_segments), want, atol=1e-12, rtol=1e-12)
+
+
 def test_no_rows(device):
     idx = torch.zeros(0, dtype=torch.int32, device=device)
     x = torch.zeros(0, 3, dtype=torch.float32, device=device, requires_grad=True)
@@ -478,6 +507,30 @@ def test_large_against_index_add(mean_length, width, device):
     a = pk.segmented_sum(x, idx, num_segments)
     b = pk.segmented_sum(x, idx, num_segments)
     assert torch.equal(a, b)
+
+
+@pytest.mark.skipif(runtime.INTERPRETED, reason="16-byte lane loads: compiled kernels on a GPU only")
+@pytest.mark.parametrize("width", [None, 3], ids=["scalar", "D3"])
+@pytest.mark.parametrize("vector_loads", [True, False], ids=["vector-loads", "tile-loads"])
+def test_lane_loads_aligned_unaligned_and_half(width, vector_loads, device, monkeypatch):
+    """The in-order pass reads a lane's rows with 16-byte loads only from 16-byte aligned
+    32-bit data: views that start one row in, and float16 rows, take the tile loads. Every
+    case against float64, on a length that ends inside a group of 4 rows."""
+    monkeypatch.setattr(tk, "LANE_VECTOR_LOADS", vector_loads)
+    g = torch.Generator(device="cuda").manual_seed(3)
+    n_rows = 300_001
+    num_segments = n_rows // 7
+    idx_store = torch.sort(torch.randint(0, num_segments, (n_rows + 1,), device="cuda", generator=g)).values.int()
+    x_store = torch.randn((n_rows + 1,) + (() if width is None else (width,)), device="cuda", generator=g)
+    for label, x, idx in (("aligned", x_store[:-1], idx_store[:-1]), ("x one row in", x_store[1:], idx_store[:-1]),
+                          ("idx one row in", x_store[:-1], idx_store[1:]), ("float16", x_store[:-1].half(), idx_store[:-1])):
+        reference = torch.zeros((num_segments,) + x.shape[1:], dtype=torch.float64, device="cuda")
+        reference.index_add_(0, idx.long(), x.double())
+        counts = torch.bincount(idx.long(), minlength=num_segments).clamp(min=1).double()
+        counts = counts if width is None else counts[:, None]
+        tol = 1e-2 if x.dtype == torch.float16 else 1e-5
+        assert_close(f"sum, {label}", pk.segmented_sum(x, idx, num_segments), reference, atol=tol, rtol=tol)
+        assert_close(f"mean, {label}", pk.segmented_mean(x, idx, num_segments), reference / counts, atol=tol, rtol=tol)
 
 
 @pytest.mark.skipif(runtime.INTERPRETED, reason="large sizes: compiled kernels on a GPU only")

@@ -34,7 +34,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ..register_columns import split_columns
+from .. import runtime
+from ..register_columns import load_lane_rows
 
 # Prologues of the segmented reduction: what each row contributes.
 ROW_VALUE = 0  # x[i, c]
@@ -66,6 +67,32 @@ def _segmented_add_counted(start_a, value_a, count_a, start_b, value_b, count_b)
     """``_segmented_add`` that also counts the rows of the run."""
     cut = start_b != 0
     return start_a | start_b, tl.where(cut, value_b, value_a + value_b), tl.where(cut, count_b, count_a + count_b)
+
+
+@triton.jit
+def _zero_empty_segments(out_ptr, counts_ptr, first, end, cols, col_ok, n_cols, counts_block,
+                         BLOCK: tl.constexpr, WRITE_COUNTS: tl.constexpr):
+    """Zero the output rows (and counts) of segments ``first .. end - 1``, ``BLOCK`` at a time.
+
+    Empty segments must read 0, and no total is ever stored for them: the first passes
+    give every chunk the segments from its first one (exclusive; from 0 in chunk 0) up
+    to the next chunk's first one (exclusive; ``num_segments`` after the last chunk).
+    These ranges are disjoint and cover every segment but the chunks' first ones, which
+    the combine pass always writes. Counts are zeroed by the program of column block
+    ``counts_block == 0`` only.
+    """
+    fill_rows = tl.arange(0, BLOCK)
+    for start in range(first, end, BLOCK):
+        fill = start + fill_rows
+        fill_ok = fill < end
+        fill64 = fill.to(tl.int64)
+        tl.store(out_ptr + fill64[:, None] * n_cols + cols[None, :],
+                 tl.zeros((BLOCK, cols.shape[0]), dtype=out_ptr.dtype.element_ty),
+                 mask=fill_ok[:, None] & col_ok[None, :])
+        if WRITE_COUNTS:
+            # (a vector test: the interpreter's store rejects a scalar-and-vector mask)
+            tl.store(counts_ptr + fill64, tl.zeros((BLOCK,), dtype=tl.int32),
+                     mask=fill_ok & ((fill * 0 + counts_block) == 0))
 
 
 @triton.jit
@@ -159,26 +186,12 @@ def segment_reduce_chunks_kernel(
     inside = ends & (segment != head_segment) & (segment != tail_segment)
 
     if ZERO_FILL:
-        # Empty segments must read 0, and nobody else writes them: this chunk zeroes the
-        # output rows from its first segment (exclusive; from 0 in chunk 0) up to the next
-        # chunk's first segment (exclusive; num_segments after the last chunk). The ranges
-        # of the chunks are disjoint; they cover every segment but the chunks' first ones,
-        # which the combine pass always writes. The barrier orders these zeros before the
-        # totals stored below (some land on the same rows).
+        # This chunk's share of the empty segments; the barrier orders the zeros before
+        # the totals stored below (some land on the same rows).
         next_row = row0 + BLOCK_ROWS
         next_head = tl.load(idx_ptr + next_row, mask=next_row < N, other=num_segments)
-        first = tl.where(pid == 0, 0, head_segment + 1)
-        fill_rows = tl.arange(0, BLOCK_ROWS)
-        for start in range(first, next_head, BLOCK_ROWS):
-            fill = start + fill_rows
-            fill_ok = fill < next_head
-            fill64 = fill.to(tl.int64)
-            tl.store(out_ptr + fill64[:, None] * n_cols + cols[None, :],
-                     tl.zeros((BLOCK_ROWS, BLOCK_COLS), dtype=out_ptr.dtype.element_ty),
-                     mask=fill_ok[:, None] & col_ok[None, :])
-            if WRITE_COUNTS:
-                if col_block == 0:
-                    tl.store(counts_ptr + fill64, tl.zeros((BLOCK_ROWS,), dtype=tl.int32), mask=fill_ok)
+        _zero_empty_segments(out_ptr, counts_ptr, tl.where(pid == 0, 0, head_segment + 1), next_head,
+                             cols, col_ok, n_cols, col_block, BLOCK_ROWS, WRITE_COUNTS)
         tl.debug_barrier()
 
     if EPILOGUE == 0:  # TOTAL
@@ -209,42 +222,43 @@ def segment_reduce_chunks_kernel(
 
 
 @triton.jit
-def _rows_of_lanes(ptr, base, N, stride, other, ROWS_PER_THREAD: tl.constexpr, THREADS: tl.constexpr,
-                   BITS: tl.constexpr):
-    """Tuple of ``ROWS_PER_THREAD`` vectors: entry ``r`` holds ``ptr[(base[t] + r) stride]`` for every lane ``t``.
+def _lane_rows(x_ptr, base, N, COLS: tl.constexpr, ROWS_PER_THREAD: tl.constexpr, THREADS: tl.constexpr,
+               BITS: tl.constexpr, VECTOR: tl.constexpr):
+    """The ``ROWS_PER_THREAD`` rows of ``COLS`` columns from row ``base[t]`` of each lane, flat.
 
-    One ``[THREADS, ROWS_PER_THREAD]`` load of the lanes' rows (wide and coalesced when
-    ``stride`` is 1), split in registers; on an H200 it was about 18% faster than one
-    load per row (graph replay, 16M scalar rows).
+    A lane's rows are ``ROWS_PER_THREAD * COLS`` consecutive elements of ``x``: they
+    come as ``COLS`` contiguous tiles of ``ROWS_PER_THREAD`` elements per lane. Entry
+    ``r * COLS + c`` of the tuple is row ``base + r``, column ``c`` (0 past row ``N``).
     """
-    rows = base[:, None] + tl.arange(0, ROWS_PER_THREAD)[None, :]
-    tile = tl.load(ptr + rows.to(tl.int64) * stride, mask=rows < N, other=other)
-    return split_columns(tile, THREADS, ROWS_PER_THREAD, BITS)
+    flat = ()
+    for j in tl.static_range(COLS):
+        flat = flat + load_lane_rows(x_ptr, base * COLS + j * ROWS_PER_THREAD, N * COLS, 0.0,
+                                     ROWS_PER_THREAD, THREADS, BITS, VECTOR)
+    return flat
 
 
 @triton.jit
 def segment_sum_rows_kernel(
     x_ptr, idx_ptr, out_ptr, counts_ptr,
     part_value_ptr, part_segment_ptr, part_count_ptr,
-    N, n_cols, num_segments,
+    N, num_segments,
     EPILOGUE: tl.constexpr, WRITE_COUNTS: tl.constexpr, NEED_COUNTS: tl.constexpr, ZERO_FILL: tl.constexpr,
-    ROWS_PER_THREAD: tl.constexpr, BITS: tl.constexpr, THREADS: tl.constexpr, ACC_DTYPE: tl.constexpr,
+    COLS: tl.constexpr, COLS_POW2: tl.constexpr, ROWS_PER_THREAD: tl.constexpr, BITS: tl.constexpr,
+    THREADS: tl.constexpr, VECTOR_IDX: tl.constexpr, VECTOR_X: tl.constexpr, ACC_DTYPE: tl.constexpr,
 ):
     """First pass of ``sum`` and ``mean`` of narrow rows, each lane walking its rows in order.
 
     Same maths, same output and the same partial rows as
     :func:`segment_reduce_chunks_kernel` (``TOTAL`` or ``DIVIDE_BY_COUNT``), for a
-    chunk of ``THREADS * ROWS_PER_THREAD`` rows and one column ``c`` of ``x`` per
-    program (program ``pid`` takes chunk ``pid // n_cols`` and column ``pid % n_cols``,
-    so the programs of one chunk run side by side and share its ``idx`` and rows in
-    the cache), with less work per row: lane
-    ``t`` owns the ``ROWS_PER_THREAD`` consecutive rows from ``row0 + t ROWS_PER_THREAD``
-    and walks them one after another with a running sum that restarts where ``idx``
-    changes, so a row costs one add and one compare instead of the steps of a scan
-    over the chunk. A run that starts and ends inside a lane is stored by that lane
-    as soon as it ends. What crosses lanes is settled by one segmented scan over the
-    ``THREADS`` lanes (not over the rows): lane ``t``'s last run continues in lane
-    ``t + 1`` unless that lane starts a new segment. Then, per lane:
+    chunk of ``THREADS * ROWS_PER_THREAD`` rows of all ``COLS`` columns per program,
+    with less work per row: lane ``t`` owns the ``ROWS_PER_THREAD`` consecutive rows
+    from ``row0 + t ROWS_PER_THREAD`` and walks them one after another with a running
+    sum per column that restarts where ``idx`` changes, so a row costs one compare and
+    an add per column instead of the steps of a scan over the chunk. A run that starts
+    and ends inside a lane is stored by that lane as soon as it ends. What crosses
+    lanes is settled by one segmented scan over the ``THREADS`` lanes (not over the
+    rows): lane ``t``'s last run continues in lane ``t + 1`` unless that lane starts
+    a new segment. Then, per lane:
 
     * its first run, if it ends inside the lane: the previous lanes' share (the scan
       at ``t - 1``) plus the lane's own rows of it;
@@ -255,113 +269,109 @@ def segment_sum_rows_kernel(
     buffer for :func:`segment_reduce_combine_kernel`, exactly as in the scan kernel.
     Every sum is taken in the rows' order: deterministic, no atomics.
     """
-    chunk = tl.program_id(0) // n_cols
-    column = tl.program_id(0) % n_cols
+    chunk = tl.program_id(0)
     CHUNK: tl.constexpr = THREADS * ROWS_PER_THREAD
     row0 = chunk * CHUNK
     lane = tl.arange(0, THREADS)
     base = row0 + lane * ROWS_PER_THREAD
     chunk_end = tl.minimum(row0 + CHUNK, N)
-    # Counts are written by the chunk's column-0 program (a vector, for the interpreter's stores).
-    writes_counts = (lane * 0 + column) == 0
     head_segment = tl.load(idx_ptr + row0)
     tail_segment = tl.load(idx_ptr + chunk_end - 1)
-
     if ZERO_FILL:
-        # As in segment_reduce_chunks_kernel: this chunk zeroes the empty segments from
-        # its first segment (exclusive) up to the next chunk's first one (exclusive).
+        # This chunk's share of the empty segments, before the totals stored below.
         next_head = tl.load(idx_ptr + row0 + CHUNK, mask=row0 + CHUNK < N, other=num_segments)
-        fill_start = tl.where(chunk == 0, 0, head_segment + 1)
-        for start in range(fill_start, next_head, THREADS):
-            fill = start + lane
-            fill_ok = fill < next_head
-            tl.store(out_ptr + fill.to(tl.int64) * n_cols + column,
-                     tl.zeros((THREADS,), dtype=out_ptr.dtype.element_ty), mask=fill_ok)
-            if WRITE_COUNTS:
-                tl.store(counts_ptr + fill, tl.zeros((THREADS,), dtype=tl.int32), mask=fill_ok & writes_counts)
-        tl.debug_barrier()  # the zeros land before the totals stored below
-
-    segments = _rows_of_lanes(idx_ptr, base, N, 1, tail_segment, ROWS_PER_THREAD, THREADS, BITS)
-    values = _rows_of_lanes(x_ptr + column, base, N, n_cols, 0.0, ROWS_PER_THREAD, THREADS, BITS)
-    # The segment of the row before each lane's first row (-1 for lane 0: nothing before).
-    before = tl.load(idx_ptr + base - 1, mask=(lane > 0) & (base - 1 < N), other=tail_segment)
-    before = tl.where(lane == 0, -1, before)
+        columns = tl.arange(0, COLS_POW2)
+        _zero_empty_segments(out_ptr, counts_ptr, tl.where(chunk == 0, 0, head_segment + 1), next_head,
+                             columns, columns < COLS, COLS, 0, THREADS, WRITE_COUNTS)
+        tl.debug_barrier()
+    # Rows past N take the chunk's last segment: they join its last run (with zeros).
+    segments = load_lane_rows(idx_ptr, base, N, tail_segment, ROWS_PER_THREAD, THREADS, BITS, VECTOR_IDX)
+    values = _lane_rows(x_ptr, base, N, COLS, ROWS_PER_THREAD, THREADS, BITS, VECTOR_X)
     first = segments[0]
+    last = segments[ROWS_PER_THREAD - 1]  # the segment of each lane's last run
+    # The segment of the row before each lane's first row (-1 for lane 0: nothing
+    # before) and after its last row, from the neighbouring lanes' registers.
+    before = tl.where(lane == 0, -1, tl.gather(last, tl.maximum(lane - 1, 0), 0))
+    following = tl.gather(first, tl.minimum(lane + 1, THREADS - 1), 0)
     starts_at_lane = first != before
-    running = values[0].to(ACC_DTYPE)
+    running = ()
+    first_run = ()
+    for c in tl.static_range(COLS):
+        running = running + (values[c].to(ACC_DTYPE),)
+        first_run = first_run + (tl.zeros((THREADS,), dtype=ACC_DTYPE),)
     count = (base < N).to(tl.int32)
-    first_run = tl.zeros((THREADS,), dtype=ACC_DTYPE)
     first_count = tl.zeros((THREADS,), dtype=tl.int32)
     ended = tl.zeros((THREADS,), dtype=tl.int1)  # a run has ended inside the lane
     for r in tl.static_range(1, ROWS_PER_THREAD):
         previous = segments[r - 1]
-        value = values[r].to(ACC_DTYPE)
         new_run = segments[r] != previous
         # The run of `previous` ended at the row before: store it if it began in this
         # lane and is not one of the chunk's edge runs; keep it if it is the lane's first.
         store = new_run & ended & (previous != head_segment) & (previous != tail_segment)
-        if EPILOGUE == 0:
-            finished = running
-        else:
-            finished = running / tl.maximum(count, 1).to(ACC_DTYPE)
-        tl.store(out_ptr + previous.to(tl.int64) * n_cols + column, finished.to(out_ptr.dtype.element_ty),
-                 mask=store)
-        if WRITE_COUNTS:
-            tl.store(counts_ptr + previous, count, mask=store & writes_counts)
         keep = new_run & ~ended
-        first_run = tl.where(keep, running, first_run)
+        row_out = previous.to(tl.int64) * COLS
+        next_running = ()
+        next_first_run = ()
+        for c in tl.static_range(COLS):
+            if EPILOGUE == 0:
+                finished = running[c]
+            else:
+                finished = running[c] / tl.maximum(count, 1).to(ACC_DTYPE)
+            tl.store(out_ptr + row_out + c, finished.to(out_ptr.dtype.element_ty), mask=store)
+            next_first_run = next_first_run + (tl.where(keep, running[c], first_run[c]),)
+            value = values[r * COLS + c].to(ACC_DTYPE)
+            next_running = next_running + (tl.where(new_run, value, running[c] + value),)
+        if WRITE_COUNTS:
+            tl.store(counts_ptr + previous, count, mask=store)
+        running = next_running
+        first_run = next_first_run
         first_count = tl.where(keep, count, first_count)
         ended = ended | new_run
-        running = tl.where(new_run, value, running + value)
         count = tl.where(new_run, 0, count) + (base + r < N).to(tl.int32)
-    last = segments[ROWS_PER_THREAD - 1]  # the segment of each lane's last run
 
     # Across lanes: lane t's last run holds nothing from lane t - 1 when a run began in t.
     fresh = (ended | starts_at_lane).to(tl.int32)
-    _, carried = tl.associative_scan((fresh, running), 0, _segmented_add)
     shift = tl.maximum(lane - 1, 0)
-    first_total = tl.where(starts_at_lane, 0.0, tl.gather(carried, shift, 0)) + first_run
     if NEED_COUNTS:
         _, carried_count = tl.associative_scan((fresh, count), 0, _segmented_add)
         first_count = tl.where(starts_at_lane, 0, tl.gather(carried_count, shift, 0)) + first_count
     else:
         carried_count = count
-    following = tl.load(idx_ptr + base + ROWS_PER_THREAD,
-                        mask=(lane < THREADS - 1) & (base + ROWS_PER_THREAD < N), other=tail_segment)
     last_ends = (following != last) | (lane == THREADS - 1)
-
     first_store = ended & (first != head_segment) & (first != tail_segment)
     last_store = last_ends & (last != head_segment) & (last != tail_segment)
-    if EPILOGUE == 0:
-        first_finished = first_total
-        last_finished = carried
-    else:
-        first_finished = first_total / tl.maximum(first_count, 1).to(ACC_DTYPE)
-        last_finished = carried / tl.maximum(carried_count, 1).to(ACC_DTYPE)
-    tl.store(out_ptr + first.to(tl.int64) * n_cols + column, first_finished.to(out_ptr.dtype.element_ty),
-             mask=first_store)
-    tl.store(out_ptr + last.to(tl.int64) * n_cols + column, last_finished.to(out_ptr.dtype.element_ty),
-             mask=last_store)
-    if WRITE_COUNTS:
-        tl.store(counts_ptr + first, first_count, mask=first_store & writes_counts)
-        tl.store(counts_ptr + last, carried_count, mask=last_store & writes_counts)
-
-    # The chunk's first run ends inside a lane (first_total) or at a lane's last row (carried).
+    # The chunk's first run ends in exactly one lane: inside it (first_total) or at its
+    # last row (carried); that lane stores the first partial. The last lane stores the
+    # second (0 when the chunk holds a single run).
     head_in_lane = ended & (first == head_segment)
-    head_at_edge = last_ends & (last == head_segment)
-    head_value = (tl.sum(tl.where(head_in_lane, first_total, 0.0), axis=0)
-                  + tl.sum(tl.where(head_at_edge, carried, 0.0), axis=0))
-    head_count = (tl.sum(tl.where(head_in_lane, first_count, 0), axis=0)
-                  + tl.sum(tl.where(head_at_edge, carried_count, 0), axis=0))
-    is_tail = (lane == THREADS - 1) & (tail_segment != head_segment)
+    head_end = head_in_lane | (last_ends & (last == head_segment))
+    at_last_lane = lane == THREADS - 1
+    is_tail = at_last_lane & (tail_segment != head_segment)
     part = 2 * chunk.to(tl.int64)
-    tl.store(part_value_ptr + part * n_cols + column, head_value)
-    tl.store(part_value_ptr + (part + 1) * n_cols + column, tl.sum(tl.where(is_tail, carried, 0.0), axis=0))
-    if column == 0:
-        tl.store(part_segment_ptr + part, head_segment)
-        tl.store(part_segment_ptr + part + 1, tail_segment)
-        tl.store(part_count_ptr + part, head_count)
-        tl.store(part_count_ptr + part + 1, tl.sum(tl.where(is_tail, carried_count, 0), axis=0))
+    head_part = part * COLS + lane * 0
+    tail_part = (part + 1) * COLS + lane * 0
+    for c in tl.static_range(COLS):
+        _, carried = tl.associative_scan((fresh, running[c]), 0, _segmented_add)
+        first_total = tl.where(starts_at_lane, 0.0, tl.gather(carried, shift, 0)) + first_run[c]
+        if EPILOGUE == 0:
+            first_finished = first_total
+            last_finished = carried
+        else:
+            first_finished = first_total / tl.maximum(first_count, 1).to(ACC_DTYPE)
+            last_finished = carried / tl.maximum(carried_count, 1).to(ACC_DTYPE)
+        tl.store(out_ptr + first.to(tl.int64) * COLS + c, first_finished.to(out_ptr.dtype.element_ty),
+                 mask=first_store)
+        tl.store(out_ptr + last.to(tl.int64) * COLS + c, last_finished.to(out_ptr.dtype.element_ty),
+                 mask=last_store)
+        tl.store(part_value_ptr + head_part + c, tl.where(head_in_lane, first_total, carried), mask=head_end)
+        tl.store(part_value_ptr + tail_part + c, tl.where(is_tail, carried, 0.0), mask=at_last_lane)
+    if WRITE_COUNTS:
+        tl.store(counts_ptr + first, first_count, mask=first_store)
+        tl.store(counts_ptr + last, carried_count, mask=last_store)
+    tl.store(part_segment_ptr + part, head_segment)
+    tl.store(part_segment_ptr + part + 1, tail_segment)
+    tl.store(part_count_ptr + part + lane * 0, tl.where(head_in_lane, first_count, carried_count), mask=head_end)
+    tl.store(part_count_ptr + part + 1 + lane * 0, tl.where(is_tail, carried_count, 0), mask=at_last_lane)
 
 
 @triton.jit
@@ -374,47 +384,66 @@ def segment_reduce_combine_kernel(
     """Second pass: add up the partial rows of each segment that touches a chunk edge.
 
     The partial rows are ordered by segment (chunk ``p``'s first run, then its last
-    run, then chunk ``p + 1``'s), so a segment's partials are consecutive. The
-    program of partial ``j`` owns segment ``s = part_segment[j]`` when ``j`` is the
-    first partial of ``s``; it sums the partials of ``s`` from ``j`` on, ``BLOCK_PARTS``
-    at a time, always in the same order (deterministic), applies the epilogue and
-    writes ``out[s]``. A segment of ten million rows in chunks of 4096 rows has
-    about 5000 partials: a few vector steps, not a serial walk.
+    run, then chunk ``p + 1``'s), so the partials of a segment are consecutive: the
+    second pass is a segmented sum of its own, over ``2 * chunks`` rows. Each program
+    takes a block of ``BLOCK_PARTS`` partials and runs one segmented scan over it; the
+    last partial of each segment writes ``out[s]``. Only the block's first segment
+    can have partials in earlier blocks: the program adds those, walking back a
+    block at a time until the segment's first partial (one step for a segment that
+    spans fewer than ``BLOCK_PARTS`` partials; a segment of ten million rows in
+    chunks of 4096 rows has about 5000 partials, a few steps). Sums run in a fixed
+    order: deterministic.
     """
-    j = tl.program_id(0)
+    block = tl.program_id(0)
     col_block = tl.program_id(1)
-    segment = tl.load(part_segment_ptr + j)
-    previous = tl.load(part_segment_ptr + j - 1, mask=j > 0, other=-1)
-    owner = segment != previous
+    first_part = block * BLOCK_PARTS
+    parts = first_part + tl.arange(0, BLOCK_PARTS)
+    parts_ok = parts < n_parts
+    segment = tl.load(part_segment_ptr + parts, mask=parts_ok, other=-1)
+    previous = tl.load(part_segment_ptr + parts - 1, mask=parts_ok & (parts > first_part), other=-1)
+    following = tl.load(part_segment_ptr + parts + 1, mask=parts + 1 < n_parts, other=-1)
     cols = col_block * BLOCK_COLS + tl.arange(0, BLOCK_COLS)
     col_ok = cols < n_cols
-    total = tl.zeros((BLOCK_COLS,), dtype=ACC_DTYPE)
-    count = tl.sum(tl.zeros((BLOCK_PARTS,), dtype=tl.int32), axis=0)
-    start = j
-    more = owner
+    parts64 = parts.to(tl.int64)
+    values = tl.load(part_value_ptr + parts64[:, None] * n_cols + cols[None, :],
+                     mask=parts_ok[:, None] & col_ok[None, :], other=0.0).to(ACC_DTYPE)
+    count = tl.load(part_count_ptr + parts, mask=parts_ok, other=0)
+    starts = (segment != previous).to(tl.int32)
+    flags = starts[:, None] + tl.zeros((BLOCK_PARTS, BLOCK_COLS), dtype=tl.int32)
+    _, total = tl.associative_scan((flags, values), 0, _segmented_add)
+    _, count = tl.associative_scan((starts, count), 0, _segmented_add)
+
+    # The block's first segment: its partials in earlier blocks, newest block first.
+    head = tl.load(part_segment_ptr + first_part)
+    earlier = tl.zeros((BLOCK_COLS,), dtype=ACC_DTYPE)
+    earlier_count = tl.sum(tl.zeros((BLOCK_PARTS,), dtype=tl.int32), axis=0)
+    start = first_part - BLOCK_PARTS
+    more = first_part > 0
     while more:
-        parts = start + tl.arange(0, BLOCK_PARTS)
-        parts_ok = parts < n_parts
-        match = (tl.load(part_segment_ptr + parts, mask=parts_ok, other=-1) == segment) & parts_ok
-        parts64 = parts.to(tl.int64)
-        values = tl.load(part_value_ptr + parts64[:, None] * n_cols + cols[None, :],
-                         mask=match[:, None] & col_ok[None, :], other=0.0)
-        total += tl.sum(values, axis=0)
-        count += tl.sum(tl.load(part_count_ptr + parts, mask=match, other=0), axis=0)
-        more = tl.sum(match.to(tl.int32), axis=0) == BLOCK_PARTS
-        start += BLOCK_PARTS
+        back = start + tl.arange(0, BLOCK_PARTS)
+        match = (back >= 0) & (tl.load(part_segment_ptr + back, mask=back >= 0, other=-1) == head)
+        back64 = back.to(tl.int64)
+        found = tl.load(part_value_ptr + back64[:, None] * n_cols + cols[None, :],
+                        mask=match[:, None] & col_ok[None, :], other=0.0).to(ACC_DTYPE)
+        earlier += tl.sum(found, axis=0)
+        earlier_count += tl.sum(tl.load(part_count_ptr + back, mask=match, other=0), axis=0)
+        more = (tl.sum(match.to(tl.int32), axis=0) == BLOCK_PARTS) & (start > 0)
+        start -= BLOCK_PARTS
+    in_head = segment == head
+    total = total + tl.where(in_head[:, None], earlier[None, :], 0.0)
+    count = count + tl.where(in_head, earlier_count, 0)
+
     if EPILOGUE == 1:
-        total = total / tl.maximum(count, 1).to(ACC_DTYPE)
+        total = total / tl.maximum(count, 1).to(ACC_DTYPE)[:, None]
     elif EPILOGUE == 2:
-        total = tl.sqrt(total / tl.maximum(count, 1).to(ACC_DTYPE))
+        total = tl.sqrt(total / tl.maximum(count, 1).to(ACC_DTYPE)[:, None])
+    last = parts_ok & (segment != following)
     segment64 = segment.to(tl.int64)
-    # (A vector comparison, not `owner & col_ok`: Triton's interpreter turns a
-    # scalar-and-vector `&` into an int32 mask, which its store rejects.)
-    owner_cols = (cols * 0 + segment) != (cols * 0 + previous)
-    tl.store(out_ptr + segment64 * n_cols + cols, total.to(out_ptr.dtype.element_ty), mask=owner_cols & col_ok)
+    tl.store(out_ptr + segment64[:, None] * n_cols + cols[None, :], total.to(out_ptr.dtype.element_ty),
+             mask=last[:, None] & col_ok[None, :])
     if WRITE_COUNTS:
         if col_block == 0:
-            tl.store(counts_ptr + segment64, count, mask=owner)
+            tl.store(counts_ptr + segment64, count, mask=last)
 
 
 @triton.jit
@@ -543,9 +572,9 @@ MIN_CHUNK_ROWS = 64
 ROWWISE_ELEMENTS = 4096
 #: Warps per program of the first reduction pass (None: by the chunk's size).
 CHUNK_WARPS = None
-#: Warps per program of the combine pass (most of its programs own no segment and exit
-#: after two loads: small programs let more of them run at once).
-COMBINE_WARPS = 1
+#: Partial rows per program of the combine pass, and its warps.
+COMBINE_PARTS = 256
+COMBINE_WARPS = 4
 #: Zero the empty segments inside the first pass (True) or with ``torch.zeros`` first.
 ZERO_FILL_IN_KERNEL = True
 #: Count the rows of each run (mean, rms) in the values' scan (True) or in a second scan.
@@ -553,18 +582,30 @@ COUNTS_IN_VALUE_SCAN = True
 
 
 #: ``sum`` and ``mean`` of rows with at most this many columns walk each lane's rows in
-#: order (:func:`segment_sum_rows_kernel`, one column per program) instead of scanning
-#: the chunk; wider rows (and 0: all rows) use the scan kernel.
+#: order (:func:`segment_sum_rows_kernel`, all columns in one program) instead of
+#: scanning the chunk; wider rows (and 0: all rows) use the scan kernel.
 ROWS_IN_ORDER_MAX_COLS = 4
-#: Rows each lane of that kernel walks (a power of two), and lanes per chunk.
-ROWS_PER_THREAD = 32
+#: Rows each lane of that kernel walks (a power of two) for scalar rows and for rows
+#: of 2 to 4 columns, and lanes per chunk.
+ROWS_PER_THREAD = 16
+VECTOR_ROWS_PER_THREAD = 8
+#: Let the compiled in-order pass read each lane's rows with 16-byte loads
+#: (:func:`packed_kernels.register_columns.load_lane_rows`) where the data allow it.
+LANE_VECTOR_LOADS = True
+
+
+def _vector_loads(t: torch.Tensor, rows_per_thread: int) -> bool:
+    """Whether a lane's rows of ``t`` can come as 16-byte loads: compiled code, 32-bit
+    elements, a 16-byte aligned start and whole groups of 4 rows per lane."""
+    return (LANE_VECTOR_LOADS and not runtime.INTERPRETED and t.element_size() == 4
+            and t.data_ptr() % 16 == 0 and rows_per_thread % 4 == 0)
 ROWS_IN_ORDER_THREADS = 128
 
 
-def _rows_in_order_lanes(N: int) -> int:
+def _rows_in_order_lanes(N: int, rows_per_thread: int) -> int:
     """Lanes per chunk of :func:`segment_sum_rows_kernel` (one lane per thread)."""
     # no more lanes than the input needs (padding lanes still take the scan's steps)
-    return min(ROWS_IN_ORDER_THREADS, max(2, triton.next_power_of_2(triton.cdiv(N, ROWS_PER_THREAD))))
+    return min(ROWS_IN_ORDER_THREADS, max(2, triton.next_power_of_2(triton.cdiv(N, rows_per_thread))))
 
 
 def uninitialised(shape, dtype, device) -> torch.Tensor:
@@ -622,19 +663,23 @@ def segment_reduce(x: torch.Tensor, y, idx: torch.Tensor, num_segments: int, pro
     col_blocks = triton.cdiv(n_cols, block_cols)
     acc_torch = torch.float64 if x.dtype == torch.float64 else torch.float32
     y_arg = x if y is None else y
-    in_order = prologue == ROW_VALUE and epilogue in (TOTAL, DIVIDE_BY_COUNT) and n_cols <= ROWS_IN_ORDER_MAX_COLS
+    # (the in-order pass indexes the flat rows in int32)
+    in_order = (prologue == ROW_VALUE and epilogue in (TOTAL, DIVIDE_BY_COUNT) and n_cols <= ROWS_IN_ORDER_MAX_COLS
+                and (N + (ROWS_PER_THREAD + VECTOR_ROWS_PER_THREAD) * ROWS_IN_ORDER_THREADS) * n_cols < 2 ** 31)
     if in_order:
-        lanes = _rows_in_order_lanes(N)
-        n_chunks = triton.cdiv(N, ROWS_PER_THREAD * lanes)
+        rows_per_thread = ROWS_PER_THREAD if n_cols == 1 else VECTOR_ROWS_PER_THREAD
+        lanes = _rows_in_order_lanes(N, rows_per_thread)
+        n_chunks = triton.cdiv(N, rows_per_thread * lanes)
     part_value = torch.empty((2 * n_chunks, n_cols), dtype=acc_torch, device=x.device)
     # Segment ids and row counts of the partials share one allocation (fewer host calls).
     part_segment, part_count = torch.empty((2, 2 * n_chunks), dtype=torch.int32, device=x.device).unbind(0)
     if in_order:
-        segment_sum_rows_kernel[(n_chunks * n_cols,)](
-            x, idx, out, counts, part_value, part_segment, part_count, N, n_cols, num_segments,
+        segment_sum_rows_kernel[(n_chunks,)](
+            x, idx, out, counts, part_value, part_segment, part_count, N, num_segments,
             EPILOGUE=epilogue, WRITE_COUNTS=write_counts, NEED_COUNTS=write_counts or epilogue != TOTAL,
-            ZERO_FILL=ZERO_FILL_IN_KERNEL, ROWS_PER_THREAD=ROWS_PER_THREAD,
-            BITS=ROWS_PER_THREAD.bit_length() - 1, THREADS=lanes, ACC_DTYPE=acc,
+            ZERO_FILL=ZERO_FILL_IN_KERNEL, COLS=n_cols, COLS_POW2=triton.next_power_of_2(n_cols), ROWS_PER_THREAD=rows_per_thread,
+            BITS=rows_per_thread.bit_length() - 1, THREADS=lanes,
+            VECTOR_IDX=_vector_loads(idx, rows_per_thread), VECTOR_X=_vector_loads(x, rows_per_thread), ACC_DTYPE=acc,
             num_warps=max(1, min(16, lanes // 32)),
         )
     else:
@@ -647,10 +692,11 @@ def segment_reduce(x: torch.Tensor, y, idx: torch.Tensor, num_segments: int, pro
             BLOCK_ROWS=block_rows, BLOCK_COLS=block_cols, ACC_DTYPE=acc,
             num_warps=CHUNK_WARPS or _warps_for(block_rows * block_cols),
         )
-    segment_reduce_combine_kernel[(2 * n_chunks, col_blocks)](
+    combine_parts = min(COMBINE_PARTS, triton.next_power_of_2(2 * n_chunks))
+    segment_reduce_combine_kernel[(triton.cdiv(2 * n_chunks, combine_parts), col_blocks)](
         part_value, part_segment, part_count, out, counts, 2 * n_chunks, n_cols,
         EPILOGUE=epilogue, WRITE_COUNTS=write_counts,
-        BLOCK_PARTS=128, BLOCK_COLS=block_cols, ACC_DTYPE=acc,
+        BLOCK_PARTS=combine_parts, BLOCK_COLS=block_cols, ACC_DTYPE=acc,
         num_warps=COMBINE_WARPS,
     )
     return out, counts
