@@ -379,7 +379,7 @@ def segment_reduce_combine_kernel(
     part_value_ptr, part_segment_ptr, part_count_ptr, out_ptr, counts_ptr,
     n_parts, n_cols,
     EPILOGUE: tl.constexpr, WRITE_COUNTS: tl.constexpr,
-    BLOCK_PARTS: tl.constexpr, BLOCK_COLS: tl.constexpr, ACC_DTYPE: tl.constexpr,
+    BLOCK_PARTS: tl.constexpr, BACK_PARTS: tl.constexpr, BLOCK_COLS: tl.constexpr, ACC_DTYPE: tl.constexpr,
 ):
     """Second pass: add up the partial rows of each segment that touches a chunk edge.
 
@@ -388,11 +388,11 @@ def segment_reduce_combine_kernel(
     second pass is a segmented sum of its own, over ``2 * chunks`` rows. Each program
     takes a block of ``BLOCK_PARTS`` partials and runs one segmented scan over it; the
     last partial of each segment writes ``out[s]``. Only the block's first segment
-    can have partials in earlier blocks: the program adds those, walking back a
-    block at a time until the segment's first partial (one step for a segment that
-    spans fewer than ``BLOCK_PARTS`` partials; a segment of ten million rows in
-    chunks of 4096 rows has about 5000 partials, a few steps). Sums run in a fixed
-    order: deterministic.
+    can have partials in earlier blocks: the program adds those, walking back
+    ``BACK_PARTS`` partials at a time until the segment's first partial (one step
+    for a segment of fewer than ``BACK_PARTS`` partials; a segment of ten million
+    rows in chunks of 2048 rows has about 10,000 partials: ten steps of 1024). Sums
+    run in a fixed order: deterministic.
     """
     block = tl.program_id(0)
     col_block = tl.program_id(1)
@@ -417,18 +417,18 @@ def segment_reduce_combine_kernel(
     head = tl.load(part_segment_ptr + first_part)
     earlier = tl.zeros((BLOCK_COLS,), dtype=ACC_DTYPE)
     earlier_count = tl.sum(tl.zeros((BLOCK_PARTS,), dtype=tl.int32), axis=0)
-    start = first_part - BLOCK_PARTS
+    start = first_part - BACK_PARTS
     more = first_part > 0
     while more:
-        back = start + tl.arange(0, BLOCK_PARTS)
+        back = start + tl.arange(0, BACK_PARTS)
         match = (back >= 0) & (tl.load(part_segment_ptr + back, mask=back >= 0, other=-1) == head)
         back64 = back.to(tl.int64)
         found = tl.load(part_value_ptr + back64[:, None] * n_cols + cols[None, :],
                         mask=match[:, None] & col_ok[None, :], other=0.0).to(ACC_DTYPE)
         earlier += tl.sum(found, axis=0)
         earlier_count += tl.sum(tl.load(part_count_ptr + back, mask=match, other=0), axis=0)
-        more = (tl.sum(match.to(tl.int32), axis=0) == BLOCK_PARTS) & (start > 0)
-        start -= BLOCK_PARTS
+        more = (tl.sum(match.to(tl.int32), axis=0) == BACK_PARTS) & (start > 0)
+        start -= BACK_PARTS
     in_head = segment == head
     total = total + tl.where(in_head[:, None], earlier[None, :], 0.0)
     count = count + tl.where(in_head, earlier_count, 0)
@@ -572,8 +572,10 @@ MIN_CHUNK_ROWS = 64
 ROWWISE_ELEMENTS = 4096
 #: Warps per program of the first reduction pass (None: by the chunk's size).
 CHUNK_WARPS = None
-#: Partial rows per program of the combine pass, and its warps.
+#: Partial rows per program of the combine pass (and per step of its walk back to a
+#: long segment's first partial), and its warps.
 COMBINE_PARTS = 256
+COMBINE_BACK_PARTS = 1024
 COMBINE_WARPS = 4
 #: Zero the empty segments inside the first pass (True) or with ``torch.zeros`` first.
 ZERO_FILL_IN_KERNEL = True
@@ -696,7 +698,7 @@ def segment_reduce(x: torch.Tensor, y, idx: torch.Tensor, num_segments: int, pro
     segment_reduce_combine_kernel[(triton.cdiv(2 * n_chunks, combine_parts), col_blocks)](
         part_value, part_segment, part_count, out, counts, 2 * n_chunks, n_cols,
         EPILOGUE=epilogue, WRITE_COUNTS=write_counts,
-        BLOCK_PARTS=combine_parts, BLOCK_COLS=block_cols, ACC_DTYPE=acc,
+        BLOCK_PARTS=combine_parts, BACK_PARTS=max(combine_parts, min(COMBINE_BACK_PARTS, 4 * combine_parts)), BLOCK_COLS=block_cols, ACC_DTYPE=acc,
         num_warps=COMBINE_WARPS,
     )
     return out, counts
