@@ -295,6 +295,27 @@ def test_strided_log_probs_and_int32_indices(device):
     assert torch.equal(loss.detach(), expected_loss) and torch.equal(grad, expected_grad)
 
 
+def _strided(t: torch.Tensor) -> torch.Tensor:
+    """``t`` as a view with a stride of 2 along its first dimension (junk in between)."""
+    wide = torch.stack([t, torch.full_like(t, 10 ** 6)], 1)
+    view = wide[:, 0]
+    assert not view.is_contiguous() and torch.equal(view, t)
+    return view
+
+
+@pytest.mark.parametrize("which", ["cu_seqlens", "targets", "target_lengths"])
+def test_strided_offsets_targets_and_lengths(device, which):
+    """cu_seqlens, targets or target_lengths as strided views: the same loss and gradient."""
+    batch = make_batch([6, 8, 5], 9, [2, 3, 1], seed=31, device=device)
+    expected_loss, expected_grad = run_packed(batch, reduction="none")
+    args = {"cu_seqlens": batch.cu_seqlens, "targets": batch.targets, "target_lengths": batch.target_lengths}
+    args[which] = _strided(args[which])
+    x = batch.log_probs.detach().clone().requires_grad_()
+    loss = pk.packed_ctc_loss(x, args["cu_seqlens"], args["targets"], args["target_lengths"], reduction="none")
+    (grad,) = torch.autograd.grad(loss.sum(), x)
+    assert torch.equal(loss.detach(), expected_loss) and torch.equal(grad, expected_grad)
+
+
 RECURSIONS = [("pairs", "gather"), ("states", "gather"), ("states", "gather-joined"), ("states", "memory")]
 
 

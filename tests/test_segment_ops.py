@@ -313,6 +313,33 @@ def test_in_order_pass_matches_float64_on_random_layouts(width, rows_per_lane, l
             assert_close(f"{op} {lengths}", PUBLIC[op](x, idx, num_segments), want, atol=1e-12, rtol=1e-12)
 
 
+@pytest.mark.parametrize("op", OPS)
+def test_strided_inputs_and_idx(op, device, monkeypatch):
+    """Every input, idx included, as a view with a stride of 2 (and x also transposed
+    into a non-contiguous (N, 3) layout): the same result as on contiguous copies."""
+    small_chunks(monkeypatch)
+    lengths = [3, 0, 5, 1, 7, 2]
+    idx = make_idx(lengths, device)
+    num_segments = len(lengths) + 1
+    g = torch.Generator().manual_seed(zlib.crc32(op.encode()))
+    width = None if op not in ("matvec", "mul_broadcast") else 3
+    inputs = make_inputs(op, idx.shape[0], num_segments, width, torch.float64, device, 7)
+    spread_idx = torch.stack([idx, torch.full_like(idx, 10 ** 6)], 1).reshape(-1)[::2]
+    assert not spread_idx.is_contiguous() and torch.equal(spread_idx, idx)
+    strided = []
+    for t in inputs:
+        wide = torch.randn((t.shape[0], 2) + t.shape[1:], generator=g, dtype=t.dtype).to(device)
+        wide[:, 0] = t
+        strided.append(wide[:, 0])
+    assert not strided[0].is_contiguous()
+    want = PADDED[op](*inputs, idx, num_segments)
+    assert_close(f"{op} strided", PUBLIC[op](*strided, spread_idx, num_segments), want, atol=1e-12, rtol=1e-12)
+    x3 = torch.randn(3, idx.shape[0], generator=g, dtype=torch.float64).to(device).t()
+    if op in ("sum", "mean", "rms_norm"):
+        assert_close(f"{op} transposed", PUBLIC[op](x3, spread_idx, num_segments),
+                     PADDED[op](x3.contiguous(), idx, num_segments), atol=1e-12, rtol=1e-12)
+
+
 def test_no_rows(device):
     idx = torch.zeros(0, dtype=torch.int32, device=device)
     x = torch.zeros(0, 3, dtype=torch.float32, device=device, requires_grad=True)

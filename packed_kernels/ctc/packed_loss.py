@@ -433,6 +433,8 @@ def packed_ctc_loss(
     they read from these tensors, so no value can make them read or write out of bounds.
     """
     _check_arguments(log_probs, cu_seqlens, targets, target_lengths, blank, reduction, zero_infinity)
+    # the kernels read the offsets and lengths as dense arrays (a strided view is copied once)
+    cu_seqlens, target_lengths = cu_seqlens.contiguous(), target_lengths.contiguous()
     copies = None if runtime.is_tracing() else _HostCopies(cu_seqlens, target_lengths, targets)
     if copies is not None and copies.done is None:
         _check_values(copies, *log_probs.shape, targets.shape[1])  # on the CPU: before any kernel

@@ -19,8 +19,8 @@ Two kinds of kernel cover the six operations and all of their derivatives:
   partials of each segment in a fixed order. No atomics: the result is bitwise
   reproducible. ``sum`` and ``mean`` of narrow rows (up to
   :data:`ROWS_IN_ORDER_MAX_COLS` columns) use a cheaper first pass with the same
-  chunks and partials: each lane walks its own consecutive rows in order, and the
-  scan runs over lanes instead of rows (:func:`segment_sum_rows_kernel`).
+  partials: each lane walks its own consecutive rows in order, and the scan runs
+  over lanes instead of rows (:func:`segment_sum_rows_kernel`).
 * **Row-wise maps** (the gradients of the reductions, ``mul`` and ``matvec``):
   ``out[i] = g(row i, segment row idx[i])``; one program per block of rows, no
   reduction at all.
