@@ -19,6 +19,7 @@ import torch
 import triton
 
 from .. import runtime
+from ..arguments import integer_argument
 from .triton_kernels import (
     ctc_alpha_beta_kernel,
     ctc_alpha_beta_pairs_kernel,
@@ -334,7 +335,8 @@ def _side_stream(device: torch.device) -> "torch.cuda.Stream":
     return _SIDE_STREAMS[index]
 
 
-def _check_arguments(log_probs, cu_seqlens, targets, target_lengths, blank, reduction, zero_infinity):
+def _check_arguments(log_probs, cu_seqlens, targets, target_lengths, blank, reduction, zero_infinity) -> int:
+    """The checks that need no tensor values; returns ``blank`` as a Python int."""
     if not isinstance(log_probs, torch.Tensor):
         raise TypeError(f"log_probs must be a torch.Tensor, got {type(log_probs).__name__}")
     if log_probs.dtype not in _FLOAT_DTYPES:
@@ -355,8 +357,7 @@ def _check_arguments(log_probs, cu_seqlens, targets, target_lengths, blank, redu
                          f"got {tuple(target_lengths.shape)}")
     if C < 1:
         raise ValueError(f"log_probs must have at least one class, got shape {tuple(log_probs.shape)}")
-    if isinstance(blank, bool) or not isinstance(blank, int):
-        raise TypeError(f"blank must be an int, got {type(blank).__name__}")
+    blank = integer_argument("blank", blank)
     if not 0 <= blank < C:
         raise ValueError(f"blank must lie in [0, C={C}), got {blank}")
     if reduction not in _REDUCTIONS:
@@ -366,6 +367,7 @@ def _check_arguments(log_probs, cu_seqlens, targets, target_lengths, blank, redu
     runtime.check_same_device(log_probs=log_probs, cu_seqlens=cu_seqlens, targets=targets,
                               target_lengths=target_lengths)
     runtime.check_kernel_device("log_probs", log_probs)
+    return blank
 
 
 def _check_values(copies: _HostCopies, T_total: int, C: int, U: int) -> None:
@@ -432,7 +434,7 @@ def packed_ctc_loss(
     ``torch.compile`` traces or a CUDA graph is captured. The kernels clamp every index
     they read from these tensors, so no value can make them read or write out of bounds.
     """
-    _check_arguments(log_probs, cu_seqlens, targets, target_lengths, blank, reduction, zero_infinity)
+    blank = _check_arguments(log_probs, cu_seqlens, targets, target_lengths, blank, reduction, zero_infinity)
     # the kernels read the offsets and lengths as dense arrays (a strided view is copied once)
     cu_seqlens, target_lengths = cu_seqlens.contiguous(), target_lengths.contiguous()
     copies = None if runtime.is_tracing() else _HostCopies(cu_seqlens, target_lengths, targets)

@@ -4,6 +4,7 @@ from __future__ import annotations
 import torch
 
 from .. import runtime
+from ..arguments import integer_argument
 
 #: dtypes the kernels read; float16 and bfloat16 are computed in float32.
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -23,8 +24,7 @@ def check_tensor(name: str, value, dims, trailing=None) -> None:
 
 
 def check_num_segments(num_segments) -> int:
-    if isinstance(num_segments, bool) or not isinstance(num_segments, int):
-        raise TypeError(f"num_segments must be a Python int; got {type(num_segments).__name__}")
+    num_segments = integer_argument("num_segments", num_segments, "a Python int")
     if num_segments < 0:
         raise ValueError(f"num_segments must be >= 0; got {num_segments}")
     return num_segments

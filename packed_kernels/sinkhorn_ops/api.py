@@ -14,6 +14,7 @@ from typing import Optional
 import torch
 
 from .. import runtime
+from ..arguments import integer_argument
 from . import padded_torch
 from .triton_kernels import (
     MAX_KERNEL_N,
@@ -135,8 +136,7 @@ def _check_matrices(name: str, x) -> int:
 def _check_cg_iters(cg_iters) -> int:
     if cg_iters is None:
         return _NO_CG
-    if isinstance(cg_iters, bool) or not isinstance(cg_iters, int):
-        raise TypeError(f"cg_iters must be None or an int; got {type(cg_iters).__name__}")
+    cg_iters = integer_argument("cg_iters", cg_iters, "None or an int")
     if cg_iters < 1:
         raise ValueError(f"cg_iters must be >= 1 (or None for the direct solve); got {cg_iters}")
     return cg_iters
@@ -176,8 +176,7 @@ def sinkhorn(logits: torch.Tensor, iters: int = 20, *, backward: str = "implicit
     logits are exact zeros as long as every row and column keeps a finite entry.
     """
     n = _check_matrices("logits", logits)
-    if isinstance(iters, bool) or not isinstance(iters, int):
-        raise TypeError(f"iters must be an int; got {type(iters).__name__}")
+    iters = integer_argument("iters", iters)
     if iters < 1:
         raise ValueError(f"iters must be >= 1; got {iters}")
     if backward not in _BACKWARDS:
@@ -190,7 +189,7 @@ def sinkhorn(logits: torch.Tensor, iters: int = 20, *, backward: str = "implicit
     if n > MAX_KERNEL_N:
         if backward == "unrolled":
             return padded_torch.sinkhorn_torch(logits, iters)
-        return _PaddedImplicit.apply(logits, iters, cg_iters)
+        return _PaddedImplicit.apply(logits, iters, _cg_or_none(cg))
     runtime.check_kernel_device("logits", logits)
     shape = logits.shape
     flat = logits.contiguous().view(-1, n, n)
@@ -229,7 +228,7 @@ def sinkhorn_backward(R: torch.Tensor, grad_R: torch.Tensor, cg_iters: Optional[
     runtime.check_same_device(R=R, grad_R=grad_R)
     cg = _check_cg_iters(cg_iters)
     if n > MAX_KERNEL_N:
-        return padded_torch.implicit_backward_torch(R, grad_R.to(R.dtype), cg_iters)
+        return padded_torch.implicit_backward_torch(R, grad_R.to(R.dtype), _cg_or_none(cg))
     runtime.check_kernel_device("R", R)
     flat_R = R.detach().contiguous().view(-1, n, n)
     flat_grad = grad_R.detach().to(R.dtype).contiguous().view(-1, n, n)
