@@ -71,7 +71,7 @@ def _load_group_of_4(ptr, first, n, other):
     vectors: one 16-byte load when all four are in range, else up to four scalar loads."""
     return tl.inline_asm_elementwise(
         """{
-        .reg .pred full, p0, p1, p2, p3;
+        .reg .pred full, p0, p1, p2;
         .reg .s32 i;
         mov.b32 $0, $7;
         mov.b32 $1, $7;
@@ -108,11 +108,10 @@ def load_lane_rows(ptr, base, n, other, ROWS: tl.constexpr, LANES: tl.constexpr,
     shared memory. Otherwise one ``[LANES, ROWS]`` tile load, split in registers.
     """
     if VECTOR:
-        first = base + 0
         other = tl.zeros((LANES,), dtype=ptr.dtype.element_ty) + other
         rows = ()
         for g in tl.static_range(ROWS // 4):
-            a, b, c, d = _load_group_of_4(ptr, first + 4 * g, n, other)
+            a, b, c, d = _load_group_of_4(ptr, base + 4 * g, n, other)
             rows = rows + (a, b, c, d)
         return rows
     else:

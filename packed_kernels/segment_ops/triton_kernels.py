@@ -591,6 +591,7 @@ ROWS_IN_ORDER_MAX_COLS = 4
 #: of 2 to 4 columns, and lanes per chunk.
 ROWS_PER_THREAD = 16
 VECTOR_ROWS_PER_THREAD = 8
+ROWS_IN_ORDER_THREADS = 128
 #: Let the compiled in-order pass read each lane's rows with 16-byte loads
 #: (:func:`packed_kernels.register_columns.load_lane_rows`) where the data allow it.
 LANE_VECTOR_LOADS = True
@@ -601,7 +602,6 @@ def _vector_loads(t: torch.Tensor, rows_per_thread: int) -> bool:
     elements, a 16-byte aligned start and whole groups of 4 rows per lane."""
     return (LANE_VECTOR_LOADS and not runtime.INTERPRETED and t.element_size() == 4
             and t.data_ptr() % 16 == 0 and rows_per_thread % 4 == 0)
-ROWS_IN_ORDER_THREADS = 128
 
 
 def _rows_in_order_lanes(N: int, rows_per_thread: int) -> int:
@@ -665,11 +665,11 @@ def segment_reduce(x: torch.Tensor, y, idx: torch.Tensor, num_segments: int, pro
     col_blocks = triton.cdiv(n_cols, block_cols)
     acc_torch = torch.float64 if x.dtype == torch.float64 else torch.float32
     y_arg = x if y is None else y
-    # (the in-order pass indexes the flat rows in int32)
+    rows_per_thread = ROWS_PER_THREAD if n_cols == 1 else VECTOR_ROWS_PER_THREAD
+    # (the in-order pass indexes the flat rows, up to one chunk past N, in int32)
     in_order = (prologue == ROW_VALUE and epilogue in (TOTAL, DIVIDE_BY_COUNT) and n_cols <= ROWS_IN_ORDER_MAX_COLS
-                and (N + (ROWS_PER_THREAD + VECTOR_ROWS_PER_THREAD) * ROWS_IN_ORDER_THREADS) * n_cols < 2 ** 31)
+                and (N + rows_per_thread * ROWS_IN_ORDER_THREADS) * n_cols < 2 ** 31)
     if in_order:
-        rows_per_thread = ROWS_PER_THREAD if n_cols == 1 else VECTOR_ROWS_PER_THREAD
         lanes = _rows_in_order_lanes(N, rows_per_thread)
         n_chunks = triton.cdiv(N, rows_per_thread * lanes)
     part_value = torch.empty((2 * n_chunks, n_cols), dtype=acc_torch, device=x.device)
