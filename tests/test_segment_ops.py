@@ -401,6 +401,41 @@ def test_bitwise_deterministic(device):
         assert torch.equal(a, b), f"result {k} differs between two identical runs"
 
 
+def test_mean_writes_counts_only_for_autograd(device):
+    """The row counts that mean's gradient divides by are written only when autograd can
+    ask for them; the mean itself is the same bitwise either way, and gradients of every
+    order (the third one divides by counts written inside the second) match autograd
+    through the padded stage in float64."""
+    from packed_kernels.segment_ops import custom_ops
+
+    lengths = [3, 0, 6, 1, 9]
+    idx = make_idx(lengths, device)
+    S = len(lengths) + 1
+    x = torch.randn(idx.shape[0], 3, dtype=torch.float64).to(device)
+    out, counts = custom_ops.segment_mean_op(x, idx, S, False)
+    assert counts.numel() == 0
+    out_counted, counts = custom_ops.segment_mean_op(x, idx, S, True)
+    assert torch.equal(out, out_counted)
+    assert counts.tolist() == lengths + [0]
+    assert torch.equal(pk.segmented_mean(x, idx, S), out)
+    with torch.no_grad():
+        assert torch.equal(pk.segmented_mean(x.clone().requires_grad_(), idx, S), out)
+
+    gen = torch.Generator().manual_seed(1)
+    g0 = torch.randn(S, 3, dtype=torch.float64, generator=gen).to(device)
+    v0 = torch.randn(x.shape, dtype=torch.float64, generator=gen).to(device)
+
+    def third_order(mean, x):
+        x, g, v = (t.clone().requires_grad_() for t in (x, g0, v0))
+        first = torch.autograd.grad(mean(x, idx, S), x, g, create_graph=True)[0]
+        second = torch.autograd.grad(first, g, v, create_graph=True)[0]
+        third = torch.autograd.grad(second, v, torch.ones_like(second))[0]
+        return first, second, third
+
+    for k, (a, b) in enumerate(zip(third_order(pk.segmented_mean, x), third_order(padded_torch.segmented_mean, x))):
+        assert_close(f"mean derivative {k + 1}", a, b, atol=1e-12, rtol=1e-12)
+
+
 @pytest.mark.parametrize("op", OPS)
 def test_compile_fullgraph_forward_and_backward_match_eager(op, device):
     torch._dynamo.reset()

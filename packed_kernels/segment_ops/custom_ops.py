@@ -81,14 +81,21 @@ segment_gather_op.register_autograd(_gather_backward, setup_context=_save_idx_an
 
 # --- mean and its adjoint, gather_over_count ------------------------------------------------
 
+def needs_counts(x: Tensor) -> bool:
+    """Whether autograd will need the row counts of a ``mean`` of ``x`` (its backward
+    divides by them). Without a gradient the forward skips writing them."""
+    return torch.is_grad_enabled() and x.requires_grad
+
+
 @torch.library.custom_op(f"{_NS}::mean", mutates_args=())
-def segment_mean_op(x: Tensor, idx: Tensor, num_segments: int) -> tuple[Tensor, Tensor]:
-    return tk.segment_reduce(x.contiguous(), None, idx, num_segments, tk.ROW_VALUE, tk.DIVIDE_BY_COUNT, True)
+def segment_mean_op(x: Tensor, idx: Tensor, num_segments: int, with_counts: bool) -> tuple[Tensor, Tensor]:
+    """``(mean, counts)``; ``counts`` (what the gradient needs) is empty unless ``with_counts``."""
+    return tk.segment_reduce(x.contiguous(), None, idx, num_segments, tk.ROW_VALUE, tk.DIVIDE_BY_COUNT, with_counts)
 
 
 @segment_mean_op.register_fake
-def _(x, idx, num_segments):
-    return x.new_empty((num_segments, x.shape[1])), idx.new_empty((num_segments,))
+def _(x, idx, num_segments, with_counts):
+    return x.new_empty((num_segments, x.shape[1])), idx.new_empty((num_segments if with_counts else 0,))
 
 
 @torch.library.custom_op(f"{_NS}::gather_over_count", mutates_args=())
@@ -108,12 +115,15 @@ def _mean_setup(ctx, inputs, output):
 
 def _mean_backward(ctx, grad, _grad_counts):
     idx, counts = ctx.saved_tensors
-    return segment_gather_over_count_op(grad, idx, counts), None, None
+    if counts.shape[0] != grad.shape[0]:
+        raise RuntimeError("segment mean: the row counts its gradient needs were not written "
+                           "(segment_mean_op was called with with_counts=False)")
+    return segment_gather_over_count_op(grad, idx, counts), None, None, None
 
 
 def _gather_over_count_backward(ctx, grad):
     (idx,) = ctx.saved_tensors
-    return segment_mean_op(grad, idx, ctx.num_segments)[0], None, None
+    return segment_mean_op(grad, idx, ctx.num_segments, needs_counts(grad))[0], None, None
 
 
 segment_mean_op.register_autograd(_mean_backward, setup_context=_mean_setup)

@@ -34,7 +34,7 @@ def _sum(x, idx, num_segments):
 
 
 def _mean(x, idx, num_segments):
-    out, _ = ops.segment_mean_op(_as_rows(x), _index(idx), num_segments)
+    out, _ = ops.segment_mean_op(_as_rows(x), _index(idx), num_segments, ops.needs_counts(x))
     return out.reshape(num_segments) if x.dim() == 1 else out
 
 

@@ -25,6 +25,7 @@ import triton
 import triton.language as tl
 
 from .. import runtime  # noqa: F401  (decides interpret vs compile before @triton.jit)
+from ..fast_math import reciprocal as _reciprocal
 from ..register_columns import join_columns, split_columns
 
 #: Largest n the kernels take; :mod:`.api` uses the padded PyTorch stage beyond it.
@@ -70,16 +71,6 @@ def _store_tile(ptr, value, offsets, mask, tile_start, num_tokens, n: tl.constex
         tl.store(ptr + flat, tl.reshape(value, (BLOCK, N * N)), mask=flat < num_tokens * (n * n))
     else:
         tl.store(ptr + offsets, value, mask=mask)
-
-
-@triton.jit
-def _reciprocal(x, FAST: tl.constexpr):
-    # rcp.approx: one special-function instruction (<= 1 ulp), where 1/x costs several
-    if FAST:
-        return tl.inline_asm_elementwise("rcp.approx.ftz.f32 $0, $1;", "=r,r", [x],
-                                         dtype=tl.float32, is_pure=True, pack=1)
-    else:
-        return 1.0 / x
 
 
 @triton.jit

@@ -1,0 +1,22 @@
+"""Small arithmetic helpers shared by the Triton kernels."""
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from . import runtime  # noqa: F401  (decides interpret vs compile before @triton.jit)
+
+
+@triton.jit
+def reciprocal(x, FAST: tl.constexpr):
+    """``1 / x`` of a float32 tensor.
+
+    With ``FAST`` (compiled code only: the interpreter runs no PTX) it is one
+    ``rcp.approx.ftz.f32``, a single special-function instruction within 1 ulp, where
+    ``1.0 / x`` costs several instructions.
+    """
+    if FAST:
+        return tl.inline_asm_elementwise("rcp.approx.ftz.f32 $0, $1;", "=r,r", [x],
+                                         dtype=tl.float32, is_pure=True, pack=1)
+    else:
+        return 1.0 / x
