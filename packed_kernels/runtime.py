@@ -38,6 +38,17 @@ INTERPRETED: bool = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 KERNEL_DEVICE: str = "cpu" if INTERPRETED else "cuda"
 
 
+def cdiv(a: int, b: int) -> int:
+    """``ceil(a / b)`` for launch grids: plain Python (``triton.cdiv`` is a Triton
+    constexpr function in recent releases, several times slower to call from the host)."""
+    return -(-a // b)
+
+
+def next_power_of_2(n: int) -> int:
+    """The smallest power of two ``>= n`` (0 for 0), as ``triton.next_power_of_2``."""
+    return 1 << (int(n) - 1).bit_length() if n > 0 else 0
+
+
 def check_kernel_device(name: str, tensor: torch.Tensor) -> None:
     """Raise ``ValueError`` unless ``tensor`` lives where the kernels run."""
     if tensor.device.type != KERNEL_DEVICE:

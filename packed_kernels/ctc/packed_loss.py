@@ -81,8 +81,8 @@ def _launch_forward(log_probs, cu_seqlens, targets, target_lengths, blank: int):
     labels, slots, run_starts = (torch.empty((B, U + 1), dtype=torch.int32, device=device) for _ in range(3))
     if B == 0:
         return nll, state, labels, slots, run_starts
-    block_k = max(16, triton.next_power_of_2(U + 1))
-    block_s = max(16, triton.next_power_of_2(2 * U + 1))
+    block_k = max(16, runtime.next_power_of_2(U + 1))
+    block_s = max(16, runtime.next_power_of_2(2 * U + 1))
     block_j = max(1, min(16, 4096 // block_k))
     with _kernel_numerics():
         ctc_label_groups_kernel[(B,)](
@@ -155,11 +155,11 @@ def _launch_backward(grad_loss, log_probs, cu_seqlens, targets, target_lengths, 
     if grad_loss.dtype != nll.dtype:
         grad_loss = grad_loss.to(nll.dtype)
     grad_stride = grad_loss.stride(0) if grad_loss.dim() == 1 else 0
-    block_c = min(1024, max(16, triton.next_power_of_2(C)))
-    block_k = max(16, triton.next_power_of_2(U + 1))
+    block_c = min(1024, max(16, runtime.next_power_of_2(C)))
+    block_k = max(16, runtime.next_power_of_2(U + 1))
     rows = _gradient_rows(max(block_c, block_k))
     with _kernel_numerics():
-        ctc_gradient_kernel[(triton.cdiv(T_total, rows),)](
+        ctc_gradient_kernel[(runtime.cdiv(T_total, rows),)](
             log_probs, log_probs.stride(0), log_probs.stride(1),
             grad, grad.stride(0),
             cu_seqlens, target_lengths,
@@ -170,7 +170,7 @@ def _launch_backward(grad_loss, log_probs, cu_seqlens, targets, target_lengths, 
             ZERO_INFINITY=bool(zero_infinity),
             REDUCTION=_REDUCTION_CODES[reduction],
             ROWS=rows,
-            BLOCK_B=max(16, min(triton.next_power_of_2(B), 4096 // rows)),
+            BLOCK_B=max(16, min(runtime.next_power_of_2(B), 4096 // rows)),
             BLOCK_K=block_k,
             BLOCK_C=block_c,
             num_warps=_gradient_num_warps(rows, max(block_c, block_k)),

@@ -295,10 +295,10 @@ def choose_config(batch: int, hidden: int, num_directions: int, device: torch.de
     these CUDA-core sums wherever they fit in one launch; where they need several
     (hidden size up to 128), one launch of it is used instead.
     """
-    block_h = max(triton.next_power_of_2(hidden), 16)
+    block_h = max(runtime.next_power_of_2(hidden), 16)
     if runtime.INTERPRETED or device.type != "cuda":
         # The interpreter runs programs one after another: no cross-program waits.
-        return RecurrenceConfig(1, min(triton.next_power_of_2(max(batch, 1)), 16), 0, 0, 4)
+        return RecurrenceConfig(1, min(runtime.next_power_of_2(max(batch, 1)), 16), 0, 0, 4)
     sms = _sm_count(device)
     num_warps = 4 if block_h <= 128 else 8
     threads = 32 * num_warps
@@ -312,11 +312,11 @@ def choose_config(batch: int, hidden: int, num_directions: int, device: torch.de
         while largest > 1 and largest * units * block_h // threads > 128:
             largest //= 2
         if k == 1:
-            tiles = triton.cdiv(batch, largest)  # no waits: any number of tiles in one launch
+            tiles = runtime.cdiv(batch, largest)  # no waits: any number of tiles in one launch
         else:
             tiles = sms // (num_directions * k)
-        block_b = min(triton.next_power_of_2(max(math.ceil(batch / tiles), 1)), largest)
-        launches = triton.cdiv(batch, tiles * block_b)
+        block_b = min(runtime.next_power_of_2(max(math.ceil(batch / tiles), 1)), largest)
+        launches = runtime.cdiv(batch, tiles * block_b)
         work = block_b * units * block_h // threads
         key = (launches, work, k if block_h <= 128 else -k)
         if best is None or key < best[0]:
@@ -331,7 +331,7 @@ def choose_config(batch: int, hidden: int, num_directions: int, device: torch.de
         # 128: 12.9 ms against 17.3 ms); at hidden 256 the weight slice outgrows shared memory.
         k = max(block_h // 32, 1)
         tiles = sms // (num_directions * k)
-        if tiles >= 1 and triton.cdiv(batch, tiles * 16) < launches:
+        if tiles >= 1 and runtime.cdiv(batch, tiles * 16) < launches:
             return RecurrenceConfig(k, 16, 3, 1 if k > 1 else 0, num_warps)
     return best[1]
 
@@ -376,7 +376,7 @@ def lstm_recurrence(
         return
     if config is None:
         config = choose_config(batch, hidden, num_directions, xw.device)
-    block_h = max(triton.next_power_of_2(hidden), 16)
+    block_h = max(runtime.next_power_of_2(hidden), 16)
     k = config.programs_per_tile
     if block_h % k:
         raise ValueError(f"programs_per_tile={k} must divide the padded hidden size {block_h}")
@@ -418,7 +418,7 @@ def _launch(xw, w_hh, h0, c0, row_start, lengths, row_step, out, h_n, c_n, confi
     num_directions, _, hidden = w_hh.shape[0], w_hh.shape[1], h0.shape[2]
     batch = lengths.numel()
     k = config.programs_per_tile
-    n_tiles = triton.cdiv(batch, config.block_b)
+    n_tiles = runtime.cdiv(batch, config.block_b)
     grid = (k, n_tiles, num_directions)
     exchange = torch.empty((2, num_directions, batch, hidden), dtype=torch.float32, device=xw.device)
     exchange[0] = h0

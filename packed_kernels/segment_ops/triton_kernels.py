@@ -629,7 +629,7 @@ def _vector_loads(t: torch.Tensor, rows_per_thread: int) -> bool:
 def _rows_in_order_lanes(N: int, rows_per_thread: int) -> int:
     """Lanes per chunk of :func:`segment_sum_rows_kernel` (one lane per thread)."""
     # no more lanes than the input needs (padding lanes still take the scan's steps)
-    return min(ROWS_IN_ORDER_THREADS, max(2, triton.next_power_of_2(triton.cdiv(N, rows_per_thread))))
+    return min(ROWS_IN_ORDER_THREADS, max(2, runtime.next_power_of_2(runtime.cdiv(N, rows_per_thread))))
 
 
 def uninitialised(shape, dtype, device) -> torch.Tensor:
@@ -647,7 +647,7 @@ def _accumulator(dtype: torch.dtype):
 
 
 def _column_block(n_cols: int) -> int:
-    return min(triton.next_power_of_2(max(n_cols, 1)), 64)
+    return min(runtime.next_power_of_2(max(n_cols, 1)), 64)
 
 
 def chunk_rows(block_cols: int) -> int:
@@ -682,9 +682,9 @@ def segment_reduce(x: torch.Tensor, y, idx: torch.Tensor, num_segments: int, pro
     block_rows = chunk_rows(block_cols)
     # No chunk longer than the input, rounded up to a power of two: padding rows cost
     # scan steps (and the interpreter's scan steps are slow).
-    block_rows = min(block_rows, max(16, triton.next_power_of_2(N)))
-    n_chunks = triton.cdiv(N, block_rows)
-    col_blocks = triton.cdiv(n_cols, block_cols)
+    block_rows = min(block_rows, max(16, runtime.next_power_of_2(N)))
+    n_chunks = runtime.cdiv(N, block_rows)
+    col_blocks = runtime.cdiv(n_cols, block_cols)
     acc_torch = torch.float64 if x.dtype == torch.float64 else torch.float32
     y_arg = x if y is None else y
     rows_per_thread = ROWS_PER_THREAD if n_cols == 1 else VECTOR_ROWS_PER_THREAD
@@ -693,7 +693,7 @@ def segment_reduce(x: torch.Tensor, y, idx: torch.Tensor, num_segments: int, pro
                 and (N + rows_per_thread * ROWS_IN_ORDER_THREADS) * n_cols < 2 ** 31)
     if in_order:
         lanes = _rows_in_order_lanes(N, rows_per_thread)
-        n_chunks = triton.cdiv(N, rows_per_thread * lanes)
+        n_chunks = runtime.cdiv(N, rows_per_thread * lanes)
     part_value = torch.empty((2 * n_chunks, n_cols), dtype=acc_torch, device=x.device)
     # Segment ids and row counts of the partials share one allocation (fewer host calls).
     part_segment, part_count = torch.empty((2, 2 * n_chunks), dtype=torch.int32, device=x.device).unbind(0)
@@ -701,7 +701,7 @@ def segment_reduce(x: torch.Tensor, y, idx: torch.Tensor, num_segments: int, pro
         segment_sum_rows_kernel[(n_chunks,)](
             x, idx, out, counts, part_value, part_segment, part_count, N, num_segments,
             EPILOGUE=epilogue, WRITE_COUNTS=write_counts, NEED_COUNTS=write_counts or epilogue != TOTAL,
-            ZERO_FILL=ZERO_FILL_IN_KERNEL, COLS=n_cols, COLS_POW2=triton.next_power_of_2(n_cols), ROWS_PER_THREAD=rows_per_thread,
+            ZERO_FILL=ZERO_FILL_IN_KERNEL, COLS=n_cols, COLS_POW2=runtime.next_power_of_2(n_cols), ROWS_PER_THREAD=rows_per_thread,
             BITS=rows_per_thread.bit_length() - 1, THREADS=lanes,
             VECTOR_IDX=_vector_loads(idx, rows_per_thread), VECTOR_X=_vector_loads(x, rows_per_thread), ACC_DTYPE=acc,
             FAST_DIVIDE=FAST_DIVIDE and not runtime.INTERPRETED and acc == tl.float32,
@@ -717,8 +717,8 @@ def segment_reduce(x: torch.Tensor, y, idx: torch.Tensor, num_segments: int, pro
             BLOCK_ROWS=block_rows, BLOCK_COLS=block_cols, ACC_DTYPE=acc,
             num_warps=CHUNK_WARPS or _warps_for(block_rows * block_cols),
         )
-    combine_parts = min(COMBINE_PARTS, triton.next_power_of_2(2 * n_chunks))
-    segment_reduce_combine_kernel[(triton.cdiv(2 * n_chunks, combine_parts), col_blocks)](
+    combine_parts = min(COMBINE_PARTS, runtime.next_power_of_2(2 * n_chunks))
+    segment_reduce_combine_kernel[(runtime.cdiv(2 * n_chunks, combine_parts), col_blocks)](
         part_value, part_segment, part_count, out, counts, 2 * n_chunks, n_cols,
         EPILOGUE=epilogue, WRITE_COUNTS=write_counts,
         BLOCK_PARTS=combine_parts, BACK_PARTS=max(combine_parts, min(COMBINE_BACK_PARTS, 4 * combine_parts)), BLOCK_COLS=block_cols, ACC_DTYPE=acc,
@@ -740,7 +740,7 @@ def segment_rowwise(mode: int, a, b: torch.Tensor, idx: torch.Tensor, counts=Non
     block_cols = _column_block(n_cols)
     block_rows = max(16, ROWWISE_ELEMENTS // block_cols)
     dummy = b
-    segment_rowwise_kernel[(triton.cdiv(N, block_rows), triton.cdiv(n_cols, block_cols))](
+    segment_rowwise_kernel[(runtime.cdiv(N, block_rows), runtime.cdiv(n_cols, block_cols))](
         a if a is not None else dummy, b, counts if counts is not None else idx,
         r if r is not None else dummy, idx, out, N, n_cols,
         MODE=mode, BROADCAST_B=b.shape[1] == 1 and n_cols != 1, BLOCK_ROWS=block_rows, BLOCK_COLS=block_cols, ACC_DTYPE=_accumulator(dtype),
@@ -757,9 +757,9 @@ def segment_matvec(v: torch.Tensor, m: torch.Tensor, idx: torch.Tensor, transpos
     out = torch.empty((N, n_out), dtype=v.dtype, device=v.device)
     if N == 0 or n_out == 0:
         return out
-    block_out = triton.next_power_of_2(n_out)
+    block_out = runtime.next_power_of_2(n_out)
     block_rows = max(16, ROWWISE_ELEMENTS // block_out)
-    segment_matvec_kernel[(triton.cdiv(N, block_rows),)](
+    segment_matvec_kernel[(runtime.cdiv(N, block_rows),)](
         v, m, idx, out, N, D, K,
         TRANSPOSE=transpose, BLOCK_ROWS=block_rows, BLOCK_OUT=block_out, ACC_DTYPE=_accumulator(v.dtype),
         num_warps=4,
@@ -774,7 +774,7 @@ def rms_norm_double_backward(p, g, r, counts):
     grad_r = torch.empty_like(r)
     if S == 0:
         return grad_g, grad_r
-    rms_norm_double_backward_kernel[(triton.cdiv(S, 1024),)](
+    rms_norm_double_backward_kernel[(runtime.cdiv(S, 1024),)](
         p, g, r, counts, grad_g, grad_r, S, BLOCK=1024, ACC_DTYPE=_accumulator(g.dtype),
     )
     return grad_g, grad_r

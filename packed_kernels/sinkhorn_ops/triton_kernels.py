@@ -24,7 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .. import runtime  # noqa: F401  (decides interpret vs compile before @triton.jit)
+from .. import runtime  # (imported first: decides interpret vs compile before @triton.jit)
 from ..fast_math import reciprocal as _reciprocal
 from ..register_columns import join_columns, split_columns
 
@@ -633,7 +633,7 @@ def sinkhorn_forward_triton(logits: torch.Tensor, iters: int, *, block: int = 0,
     N = _pow2(n)
     if n in SMALL_N and not tile:
         BLOCK = block or _small_block(n, logits.dtype)
-        grid = (triton.cdiv(T, BLOCK),)
+        grid = (runtime.cdiv(T, BLOCK),)
         sinkhorn_forward_small_kernel[grid](logits, out, T, iters, n=n, BITS=2 * (N.bit_length() - 1),
                                             BLOCK=BLOCK, FAST=_fast(logits.dtype),
                                             NEWTON=newton if logits.dtype != torch.float64 else 0,
@@ -641,7 +641,7 @@ def sinkhorn_forward_triton(logits: torch.Tensor, iters: int, *, block: int = 0,
                                             num_warps=num_warps or max(1, BLOCK // 32))
         return out
     BLOCK = block or _block_tokens(N, 2048)
-    grid = (triton.cdiv(T, BLOCK),)
+    grid = (runtime.cdiv(T, BLOCK),)
     sinkhorn_forward_kernel[grid](logits, out, T, iters, n=n, N=N, BLOCK=BLOCK, FLAT=_flat(n, N, flat),
                                   FAST=_fast(logits.dtype),
                                   COMPUTE=_compute_dtype(logits.dtype),
@@ -680,7 +680,7 @@ def sinkhorn_unrolled_backward_triton(logits: torch.Tensor, grad_R: torch.Tensor
     N = _pow2(n)
     if n in SMALL_N and iters <= SMALL_MAX_ITERS[n] and not tile:
         BLOCK = block or _small_block(n, logits.dtype)
-        grid = (triton.cdiv(T, BLOCK),)
+        grid = (runtime.cdiv(T, BLOCK),)
         sinkhorn_unrolled_backward_small_kernel[grid](logits, grad_R, out, T, n=n, BITS=2 * (N.bit_length() - 1),
                                                       ITERS=iters, BLOCK=BLOCK, FAST=_fast(logits.dtype),
                                                       COMPUTE=_compute_dtype(logits.dtype),
@@ -688,7 +688,7 @@ def sinkhorn_unrolled_backward_triton(logits: torch.Tensor, grad_R: torch.Tensor
         return out
     seg_len, num_segs, SEG, SEGS = segments(iters)
     BLOCK = block or _block_tokens(N, 512)
-    grid = (triton.cdiv(T, BLOCK),)
+    grid = (runtime.cdiv(T, BLOCK),)
     sinkhorn_unrolled_backward_kernel[grid](logits, grad_R, out, T, iters, seg_len, num_segs,
                                             n=n, N=N, BLOCK=BLOCK, SEGS=SEGS, SEG=SEG, FLAT=_flat(n, N, flat),
                                             FAST=_fast(logits.dtype),
@@ -708,13 +708,13 @@ def sinkhorn_implicit_backward_triton(R: torch.Tensor, grad_R: torch.Tensor, cg_
     eps = torch.finfo(torch.float64 if R.dtype == torch.float64 else torch.float32).eps
     if n in SMALL_N and cg_iters is None and not tile:
         BLOCK = block or _small_block(n, R.dtype)
-        grid = (triton.cdiv(T, BLOCK),)
+        grid = (runtime.cdiv(T, BLOCK),)
         sinkhorn_implicit_backward_small_kernel[grid](R, grad_R, out, T, eps, n=n, BITS=2 * (N.bit_length() - 1),
                                                       BLOCK=BLOCK, COMPUTE=_compute_dtype(R.dtype),
                                                       num_warps=num_warps or max(1, BLOCK // 32))
         return out
     BLOCK = block or _block_tokens(N, 1024)
-    grid = (triton.cdiv(T, BLOCK),)
+    grid = (runtime.cdiv(T, BLOCK),)
     sinkhorn_implicit_backward_kernel[grid](R, grad_R, out, T, 0 if cg_iters is None else int(cg_iters),
                                             (n * eps) ** 2, eps,
                                             n=n, N=N, BLOCK=BLOCK, USE_CG=cg_iters is not None,
