@@ -12,6 +12,8 @@ An explicit ``TRITON_INTERPRET`` chosen by the user is respected either way.
 """
 from __future__ import annotations
 
+import functools
+import itertools
 import os
 import sys
 import warnings
@@ -36,6 +38,27 @@ INTERPRETED: bool = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 #: The device type the kernels take their tensors on: ``"cpu"`` or ``"cuda"``.
 KERNEL_DEVICE: str = "cpu" if INTERPRETED else "cuda"
+
+
+def on_inputs_device(launcher):
+    """Run ``launcher`` with its first tensor argument's GPU as the current device.
+
+    Triton launches a kernel on the current CUDA device, so tensors on another GPU
+    (``cuda:1`` while ``cuda:0`` is current) would be refused at launch. Switching costs
+    nothing when the tensors already live on the current device.
+    """
+
+    @functools.wraps(launcher)
+    def launch(*args, **kwargs):
+        for value in itertools.chain(args, kwargs.values()):
+            if isinstance(value, torch.Tensor):
+                if value.is_cuda and value.device.index != torch.cuda.current_device():
+                    with torch.cuda.device(value.device):
+                        return launcher(*args, **kwargs)
+                break
+        return launcher(*args, **kwargs)
+
+    return launch
 
 
 def cdiv(a: int, b: int) -> int:

@@ -67,6 +67,7 @@ def _alpha_beta_num_warps(block: int, per_thread: int = 1) -> int:
 # the launchers: plain functions, shared by the eager path and the custom ops
 
 
+@runtime.on_inputs_device
 def _launch_forward(log_probs, cu_seqlens, targets, target_lengths, blank: int):
     """Per-utterance losses ``nll`` (B,), the ``(2, T_total, 2U + 1)`` alpha/beta state and
     the sorted label slots ``(labels, slots, run_starts)``, each int32 ``(B, U + 1)``."""
@@ -140,6 +141,7 @@ def _gradient_num_warps(rows: int, block_width: int) -> int:
 _REDUCTION_CODES = {"none": 0, "sum": 1, "mean": 2}
 
 
+@runtime.on_inputs_device
 def _launch_backward(grad_loss, log_probs, cu_seqlens, targets, target_lengths, nll, state, labels, slots,
                      run_starts, blank: int, zero_infinity: bool, reduction: str):
     """``d loss / d log_probs`` (T_total, C) in log_probs' dtype, from the gradient of the loss.

@@ -336,6 +336,7 @@ def choose_config(batch: int, hidden: int, num_directions: int, device: torch.de
     return best[1]
 
 
+@runtime.on_inputs_device
 def lstm_recurrence(
     xw: torch.Tensor,
     w_hh: torch.Tensor,

@@ -34,9 +34,60 @@ from . import triton_kernels as tk
 _NS = "packed_segment_ops"
 
 
+class _Operator:
+    """A custom operator, and the same kernels and gradient formulas as a plain
+    ``torch.autograd.Function`` for eager calls.
+
+    ``torch.compile`` needs the custom operator (it traces the fake implementation and
+    the registered gradient). Eager mode takes the ``autograd.Function``: the same
+    ``setup_context`` and ``backward``, with less host work per call than the
+    dispatcher's path through a custom operator. Calls made inside a backward go
+    through this class again, so each order of derivative takes the same path.
+    """
+
+    def __init__(self, name: str, impl):
+        self.name = name
+        self.custom_op = torch.library.custom_op(f"{_NS}::{name}", mutates_args=())(impl)
+        self.impl = impl
+
+        def no_gradient(ctx, *grads):
+            raise RuntimeError(f"{_NS}::{name} has no gradient formula (it is the last order supported)")
+
+        self._eager(lambda ctx, inputs, output: None, no_gradient)
+
+    def _eager(self, setup_context, backward):
+        impl = self.impl
+
+        def forward(ctx, *inputs):
+            # (the ctx-taking forward: a separate setup_context would make every call
+            # bind its arguments through inspect.signature)
+            output = impl(*inputs)
+            setup_context(ctx, inputs, output)
+            return output
+
+        self.eager = type(f"Eager_{self.name}", (torch.autograd.Function,), {
+            "forward": staticmethod(forward), "backward": staticmethod(backward)})
+
+    def register_fake(self, fake):
+        return self.custom_op.register_fake(fake)
+
+    def register_autograd(self, backward, *, setup_context):
+        self.custom_op.register_autograd(backward, setup_context=setup_context)
+        self._eager(setup_context, backward)
+
+    def __call__(self, *args):
+        if torch.compiler.is_compiling():
+            return self.custom_op(*args)
+        return self.eager.apply(*args)
+
+
+def _operator(name: str):
+    return lambda impl: _Operator(name, impl)
+
+
 # --- sum and its adjoint, gather -------------------------------------------------------
 
-@torch.library.custom_op(f"{_NS}::sum", mutates_args=())
+@_operator("sum")
 def segment_sum_op(x: Tensor, idx: Tensor, num_segments: int) -> Tensor:
     return tk.segment_reduce(x.contiguous(), None, idx, num_segments, tk.ROW_VALUE, tk.TOTAL, False)[0]
 
@@ -46,7 +97,7 @@ def _(x, idx, num_segments):
     return x.new_empty((num_segments, x.shape[1]))
 
 
-@torch.library.custom_op(f"{_NS}::gather", mutates_args=())
+@_operator("gather")
 def segment_gather_op(b: Tensor, idx: Tensor) -> Tensor:
     return tk.segment_rowwise(tk.GATHER, None, b.contiguous(), idx)
 
@@ -87,7 +138,7 @@ def needs_counts(x: Tensor) -> bool:
     return torch.is_grad_enabled() and x.requires_grad
 
 
-@torch.library.custom_op(f"{_NS}::mean", mutates_args=())
+@_operator("mean")
 def segment_mean_op(x: Tensor, idx: Tensor, num_segments: int, with_counts: bool) -> tuple[Tensor, Tensor]:
     """``(mean, counts)``; ``counts`` (what the gradient needs) is empty unless ``with_counts``."""
     return tk.segment_reduce(x.contiguous(), None, idx, num_segments, tk.ROW_VALUE, tk.DIVIDE_BY_COUNT, with_counts)
@@ -98,7 +149,7 @@ def _(x, idx, num_segments, with_counts):
     return x.new_empty((num_segments, x.shape[1])), idx.new_empty((num_segments if with_counts else 0,))
 
 
-@torch.library.custom_op(f"{_NS}::gather_over_count", mutates_args=())
+@_operator("gather_over_count")
 def segment_gather_over_count_op(b: Tensor, idx: Tensor, counts: Tensor) -> Tensor:
     return tk.segment_rowwise(tk.GATHER_OVER_COUNT, None, b.contiguous(), idx, counts=counts)
 
@@ -132,7 +183,7 @@ segment_gather_over_count_op.register_autograd(_gather_over_count_backward, setu
 
 # --- dot and scale_rows (mul) ----------------------------------------------------------------
 
-@torch.library.custom_op(f"{_NS}::dot", mutates_args=())
+@_operator("dot")
 def segment_dot_op(a: Tensor, b: Tensor, idx: Tensor, num_segments: int, rowwise: bool) -> Tensor:
     prologue = tk.ROW_DOT if rowwise else tk.ROW_PRODUCT
     return tk.segment_reduce(a.contiguous(), b.contiguous(), idx, num_segments, prologue, tk.TOTAL, False)[0]
@@ -143,7 +194,7 @@ def _(a, b, idx, num_segments, rowwise):
     return a.new_empty((num_segments, 1 if rowwise else a.shape[1]))
 
 
-@torch.library.custom_op(f"{_NS}::scale_rows", mutates_args=())
+@_operator("scale_rows")
 def segment_scale_rows_op(a: Tensor, b: Tensor, idx: Tensor) -> Tensor:
     return tk.segment_rowwise(tk.SCALE_ROWS, a.contiguous(), b.contiguous(), idx)
 
@@ -186,7 +237,7 @@ segment_scale_rows_op.register_autograd(_scale_rows_backward, setup_context=_sca
 
 # --- rms_norm ----------------------------------------------------------------------------
 
-@torch.library.custom_op(f"{_NS}::rms", mutates_args=())
+@_operator("rms")
 def segment_rms_op(x: Tensor, idx: Tensor, num_segments: int) -> tuple[Tensor, Tensor]:
     return tk.segment_reduce(x.contiguous(), None, idx, num_segments, tk.ROW_SQUARED_NORM, tk.SQRT_OF_MEAN, True)
 
@@ -196,7 +247,7 @@ def _(x, idx, num_segments):
     return x.new_empty((num_segments, 1)), idx.new_empty((num_segments,))
 
 
-@torch.library.custom_op(f"{_NS}::rms_backward", mutates_args=())
+@_operator("rms_backward")
 def segment_rms_backward_op(g: Tensor, x: Tensor, r: Tensor, counts: Tensor, idx: Tensor) -> Tensor:
     return tk.segment_rowwise(tk.RMS_BACKWARD, x.contiguous(), g.contiguous(), idx, counts=counts,
                               r=r.contiguous())
@@ -207,7 +258,7 @@ def _(g, x, r, counts, idx):
     return torch.empty_like(x, memory_format=torch.contiguous_format)
 
 
-@torch.library.custom_op(f"{_NS}::rms_double_backward", mutates_args=())
+@_operator("rms_double_backward")
 def segment_rms_double_backward_op(p: Tensor, g: Tensor, r: Tensor, counts: Tensor) -> tuple[Tensor, Tensor]:
     return tk.rms_norm_double_backward(p.contiguous(), g.contiguous(), r.contiguous(), counts)
 
@@ -250,7 +301,7 @@ segment_rms_backward_op.register_autograd(_rms_backward_backward, setup_context=
 
 # --- matvec and its companion, outer ----------------------------------------------------
 
-@torch.library.custom_op(f"{_NS}::matvec", mutates_args=())
+@_operator("matvec")
 def segment_matvec_op(v: Tensor, m: Tensor, idx: Tensor, transpose: bool) -> Tensor:
     return tk.segment_matvec(v.contiguous(), m.contiguous(), idx, transpose)
 
@@ -260,7 +311,7 @@ def _(v, m, idx, transpose):
     return v.new_empty((v.shape[0], m.shape[1] if transpose else m.shape[2]))
 
 
-@torch.library.custom_op(f"{_NS}::outer", mutates_args=())
+@_operator("outer")
 def segment_outer_op(a: Tensor, b: Tensor, idx: Tensor, num_segments: int) -> Tensor:
     flat, _ = tk.segment_reduce(a.contiguous(), b.contiguous(), idx, num_segments, tk.ROW_OUTER, tk.TOTAL,
                                 False, K=b.shape[1])

@@ -654,6 +654,7 @@ def chunk_rows(block_cols: int) -> int:
     return max(MIN_CHUNK_ROWS, CHUNK_ELEMENTS // block_cols)
 
 
+@runtime.on_inputs_device
 def segment_reduce(x: torch.Tensor, y, idx: torch.Tensor, num_segments: int, prologue: int,
                    epilogue: int, write_counts: bool, K: int = 1):
     """Launch the two-pass segmented reduction; returns ``(out (S, C), counts (S,) int32)``.
@@ -727,6 +728,7 @@ def segment_reduce(x: torch.Tensor, y, idx: torch.Tensor, num_segments: int, pro
     return out, counts
 
 
+@runtime.on_inputs_device
 def segment_rowwise(mode: int, a, b: torch.Tensor, idx: torch.Tensor, counts=None, r=None,
                     n_cols: int = None) -> torch.Tensor:
     """Launch a row-wise map (see ``segment_rowwise_kernel``); returns ``(N, n_cols)``."""
@@ -749,6 +751,7 @@ def segment_rowwise(mode: int, a, b: torch.Tensor, idx: torch.Tensor, counts=Non
     return out
 
 
+@runtime.on_inputs_device
 def segment_matvec(v: torch.Tensor, m: torch.Tensor, idx: torch.Tensor, transpose: bool) -> torch.Tensor:
     """``m[idx]^T v`` (``transpose=False``; v ``(N, D)`` -> ``(N, K)``) or ``m[idx] v`` (``(N, K)`` -> ``(N, D)``)."""
     N = v.shape[0]
@@ -767,6 +770,7 @@ def segment_matvec(v: torch.Tensor, m: torch.Tensor, idx: torch.Tensor, transpos
     return out
 
 
+@runtime.on_inputs_device
 def rms_norm_double_backward(p, g, r, counts):
     """Launch ``rms_norm_double_backward_kernel`` on ``(S, 1)`` tensors; returns ``(grad_g, grad_r)``."""
     S = p.shape[0]

@@ -620,6 +620,7 @@ def _fast(dtype: torch.dtype) -> bool:
     return dtype != torch.float64 and not runtime.INTERPRETED
 
 
+@runtime.on_inputs_device
 def sinkhorn_forward_triton(logits: torch.Tensor, iters: int, *, block: int = 0, num_warps: int = 0,
                             flat=None, tile: bool = False, newton: int = 0) -> torch.Tensor:
     """``(T, n, n)`` contiguous logits -> ``(T, n, n)`` doubly stochastic (approximately) ``R``.
@@ -669,6 +670,7 @@ def segments(iters: int):
 SMALL_MAX_ITERS = {2: 32, 4: 24, 8: 0}
 
 
+@runtime.on_inputs_device
 def sinkhorn_unrolled_backward_triton(logits: torch.Tensor, grad_R: torch.Tensor, iters: int, *,
                                       block: int = 0, num_warps: int = 0, flat=None,
                                       tile: bool = False) -> torch.Tensor:
@@ -697,6 +699,7 @@ def sinkhorn_unrolled_backward_triton(logits: torch.Tensor, grad_R: torch.Tensor
     return out
 
 
+@runtime.on_inputs_device
 def sinkhorn_implicit_backward_triton(R: torch.Tensor, grad_R: torch.Tensor, cg_iters=None, *,
                                       block: int = 0, num_warps: int = 0, flat=None, tile: bool = False) -> torch.Tensor:
     """``(T, n, n)`` ``R`` and ``dL/dR`` -> implicit ``dL/dlogits`` (direct solve, or CG if ``cg_iters``)."""
