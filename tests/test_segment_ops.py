@@ -251,7 +251,7 @@ def test_empty_segments_give_zero_with_finite_zero_gradient(device):
     for op in ("sum", "mean", "rms_norm"):
         out = PUBLIC[op](x, idx, 6)
         assert out[[0, 2, 4, 5]].abs().sum().item() == 0.0
-        (grad,) = torch.autograd.grad(out.sum(), x, create_graph=True)
+        (grad,) = torch.autograd.grad(out.square().sum(), x, create_graph=True)
         assert torch.isfinite(grad).all()
         if op == "rms_norm":
             # Segment 3 has rows, but all zero: rms 0 and gradient 0 (not NaN).
@@ -399,6 +399,37 @@ def test_bitwise_deterministic(device):
     first, second = run(), run()
     for k, (a, b) in enumerate(zip(first, second)):
         assert torch.equal(a, b), f"result {k} differs between two identical runs"
+
+
+def test_eager_calls_take_the_autograd_functions_and_traced_calls_the_custom_operators(device):
+    """Eager calls (every derivative order) run as ``autograd.Function``s, with less host
+    work; a call under a dispatch mode, as in ``torch.compile``'s tracing, takes the
+    custom operator, and its backward formulas call custom operators too."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    idx = make_idx([2, 0, 3], device)
+    x = torch.randn(5, 3, dtype=torch.float64).to(device).requires_grad_()
+    out = pk.segmented_mean(x, idx, 3)
+    assert "Eager_mean" in type(out.grad_fn).__name__
+    (grad,) = torch.autograd.grad(out.square().sum(), x, create_graph=True)
+    assert "Eager_gather_over_count" in type(grad.grad_fn).__name__
+
+    class Recorder(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    with Recorder() as seen:
+        traced = pk.segmented_mean(x, idx, 3)
+        (traced_grad,) = torch.autograd.grad(traced.square().sum(), x)
+    assert any("packed_segment_ops.mean" in op for op in seen.ops), seen.ops
+    assert any("packed_segment_ops.gather_over_count" in op for op in seen.ops), seen.ops
+    assert torch.equal(traced, out)
+    assert torch.equal(traced_grad, grad)
 
 
 def test_mean_writes_counts_only_for_autograd(device):

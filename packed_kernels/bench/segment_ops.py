@@ -8,7 +8,7 @@ every input) and ``fwd+bwd+bwd2`` (forward, the first gradient with
 
 Providers:
 
-* ``triton``: the Triton custom operators, without the eager argument checks (what
+* ``triton``: the operators without the eager argument checks (what
   runs inside ``torch.compile`` and CUDA graphs, where the host-reading checks are
   skipped);
 * ``triton_graph``: the same, replayed from a CUDA graph (GPU time without the host's

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import torch
 from torch import Tensor
+from torch.utils._python_dispatch import _get_current_dispatch_mode as _current_dispatch_mode
 
 from . import triton_kernels as tk
 
@@ -41,8 +42,9 @@ class _Operator:
     ``torch.compile`` needs the custom operator (it traces the fake implementation and
     the registered gradient). Eager mode takes the ``autograd.Function``: the same
     ``setup_context`` and ``backward``, with less host work per call than the
-    dispatcher's path through a custom operator. Calls made inside a backward go
-    through this class again, so each order of derivative takes the same path.
+    dispatcher's path through a custom operator. A backward formula calls the other
+    operators the way its own operator was called (:meth:`within`), so every order of
+    derivative of an eager call stays eager, and a traced one stays custom operators.
     """
 
     def __init__(self, name: str, impl):
@@ -63,6 +65,7 @@ class _Operator:
             # bind its arguments through inspect.signature)
             output = impl(*inputs)
             setup_context(ctx, inputs, output)
+            ctx.eager = True
             return output
 
         self.eager = type(f"Eager_{self.name}", (torch.autograd.Function,), {
@@ -76,9 +79,25 @@ class _Operator:
         self._eager(setup_context, backward)
 
     def __call__(self, *args):
-        if torch.compiler.is_compiling():
+        if _traced(args):
             return self.custom_op(*args)
         return self.eager.apply(*args)
+
+    def within(self, ctx):
+        """The operator as a backward formula calls it: the ``autograd.Function`` inside
+        an eager backward, the custom operator inside the custom operator's backward
+        (which is what ``torch.compile`` traces)."""
+        return self.eager.apply if getattr(ctx, "eager", False) else self.custom_op
+
+
+def _traced(args) -> bool:
+    """Whether a call is being traced rather than run: while compiling, under a
+    dispatch mode (the fake and proxy modes of ``torch.compile``'s tracing, which also
+    traces each backward), or on a tensor subclass (fake, functional). These calls
+    take the custom operator, which such tracing keeps opaque."""
+    if torch.compiler.is_compiling() or _current_dispatch_mode() is not None:
+        return True
+    return any(isinstance(a, Tensor) and type(a) is not Tensor for a in args)
 
 
 def _operator(name: str):
@@ -118,12 +137,12 @@ def _save_idx(ctx, inputs, output):
 
 def _sum_backward(ctx, grad):
     (idx,) = ctx.saved_tensors
-    return segment_gather_op(grad, idx), None, None
+    return segment_gather_op.within(ctx)(grad, idx), None, None
 
 
 def _gather_backward(ctx, grad):
     (idx,) = ctx.saved_tensors
-    return segment_sum_op(grad, idx, ctx.num_segments), None
+    return segment_sum_op.within(ctx)(grad, idx, ctx.num_segments), None
 
 
 segment_sum_op.register_autograd(_sum_backward, setup_context=_save_idx)
@@ -169,12 +188,12 @@ def _mean_backward(ctx, grad, _grad_counts):
     if counts.shape[0] != grad.shape[0]:
         raise RuntimeError("segment mean: the row counts its gradient needs were not written "
                            "(segment_mean_op was called with with_counts=False)")
-    return segment_gather_over_count_op(grad, idx, counts), None, None, None
+    return segment_gather_over_count_op.within(ctx)(grad, idx, counts), None, None, None
 
 
 def _gather_over_count_backward(ctx, grad):
     (idx,) = ctx.saved_tensors
-    return segment_mean_op(grad, idx, ctx.num_segments, needs_counts(grad))[0], None, None
+    return segment_mean_op.within(ctx)(grad, idx, ctx.num_segments, needs_counts(grad))[0], None, None
 
 
 segment_mean_op.register_autograd(_mean_backward, setup_context=_mean_setup)
@@ -211,8 +230,8 @@ def _dot_setup(ctx, inputs, output):
 
 def _dot_backward(ctx, grad):
     a, b, idx = ctx.saved_tensors
-    grad_a = segment_scale_rows_op(b, grad, idx) if ctx.needs_input_grad[0] else None
-    grad_b = segment_scale_rows_op(a, grad, idx) if ctx.needs_input_grad[1] else None
+    grad_a = segment_scale_rows_op.within(ctx)(b, grad, idx) if ctx.needs_input_grad[0] else None
+    grad_b = segment_scale_rows_op.within(ctx)(a, grad, idx) if ctx.needs_input_grad[1] else None
     return grad_a, grad_b, None, None, None
 
 
@@ -223,11 +242,11 @@ def _scale_rows_setup(ctx, inputs, output):
 
 def _scale_rows_backward(ctx, grad):
     a, b, idx = ctx.saved_tensors
-    grad_a = segment_scale_rows_op(grad, b, idx) if ctx.needs_input_grad[0] else None
+    grad_a = segment_scale_rows_op.within(ctx)(grad, b, idx) if ctx.needs_input_grad[0] else None
     grad_b = None
     if ctx.needs_input_grad[1]:
         # A one-column b is broadcast over the row: its gradient sums the row's products.
-        grad_b = segment_dot_op(grad, a, idx, b.shape[0], b.shape[1] == 1 and a.shape[1] != 1)
+        grad_b = segment_dot_op.within(ctx)(grad, a, idx, b.shape[0], b.shape[1] == 1 and a.shape[1] != 1)
     return grad_a, grad_b, None
 
 
@@ -277,7 +296,7 @@ def _rms_setup(ctx, inputs, output):
 
 def _rms_backward(ctx, grad, _grad_counts):
     x, idx, r, counts = ctx.saved_tensors
-    return segment_rms_backward_op(grad, x, r, counts, idx), None, None
+    return segment_rms_backward_op.within(ctx)(grad, x, r, counts, idx), None, None
 
 
 def _rms_backward_setup(ctx, inputs, output):
@@ -287,11 +306,11 @@ def _rms_backward_setup(ctx, inputs, output):
 
 def _rms_backward_backward(ctx, grad):
     g, x, r, counts, idx = ctx.saved_tensors
-    grad_x = segment_rms_backward_op(g, grad, r, counts, idx) if ctx.needs_input_grad[1] else None
+    grad_x = segment_rms_backward_op.within(ctx)(g, grad, r, counts, idx) if ctx.needs_input_grad[1] else None
     grad_g = grad_r = None
     if ctx.needs_input_grad[0] or ctx.needs_input_grad[2]:
-        p = segment_dot_op(grad, x, idx, g.shape[0], True)
-        grad_g, grad_r = segment_rms_double_backward_op(p, g, r, counts)
+        p = segment_dot_op.within(ctx)(grad, x, idx, g.shape[0], True)
+        grad_g, grad_r = segment_rms_double_backward_op.within(ctx)(p, g, r, counts)
     return grad_g, grad_x, grad_r, None, None
 
 
@@ -331,12 +350,12 @@ def _matvec_setup(ctx, inputs, output):
 
 def _matvec_backward(ctx, grad):
     v, m, idx = ctx.saved_tensors
-    grad_v = segment_matvec_op(grad, m, idx, not ctx.transpose) if ctx.needs_input_grad[0] else None
+    grad_v = segment_matvec_op.within(ctx)(grad, m, idx, not ctx.transpose) if ctx.needs_input_grad[0] else None
     grad_m = None
     if ctx.needs_input_grad[1]:
         # out = m^T v: dm = sum v g^T;  out = m v: dm = sum g v^T.
-        grad_m = (segment_outer_op(grad, v, idx, m.shape[0]) if ctx.transpose
-                  else segment_outer_op(v, grad, idx, m.shape[0]))
+        grad_m = (segment_outer_op.within(ctx)(grad, v, idx, m.shape[0]) if ctx.transpose
+                  else segment_outer_op.within(ctx)(v, grad, idx, m.shape[0]))
     return grad_v, grad_m, None, None
 
 
@@ -347,8 +366,8 @@ def _outer_setup(ctx, inputs, output):
 
 def _outer_backward(ctx, grad):
     a, b, idx = ctx.saved_tensors
-    grad_a = segment_matvec_op(b, grad, idx, True) if ctx.needs_input_grad[0] else None
-    grad_b = segment_matvec_op(a, grad, idx, False) if ctx.needs_input_grad[1] else None
+    grad_a = segment_matvec_op.within(ctx)(b, grad, idx, True) if ctx.needs_input_grad[0] else None
+    grad_b = segment_matvec_op.within(ctx)(a, grad, idx, False) if ctx.needs_input_grad[1] else None
     return grad_a, grad_b, None, None
 
 
