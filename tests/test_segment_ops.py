@@ -423,13 +423,16 @@ def test_eager_calls_take_the_autograd_functions_and_traced_calls_the_custom_ope
             self.ops.append(str(func))
             return func(*args, **(kwargs or {}))
 
+    (second,) = torch.autograd.grad(grad.square().sum(), x)
     with Recorder() as seen:
         traced = pk.segmented_mean(x, idx, 3)
-        (traced_grad,) = torch.autograd.grad(traced.square().sum(), x)
+        (traced_grad,) = torch.autograd.grad(traced.square().sum(), x, create_graph=True)
+        (traced_second,) = torch.autograd.grad(traced_grad.square().sum(), x)
     assert any("packed_segment_ops.mean" in op for op in seen.ops), seen.ops
     assert any("packed_segment_ops.gather_over_count" in op for op in seen.ops), seen.ops
     assert torch.equal(traced, out)
     assert torch.equal(traced_grad, grad)
+    assert torch.equal(traced_second, second)
 
 
 def test_mean_writes_counts_only_for_autograd(device):

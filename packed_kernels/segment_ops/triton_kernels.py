@@ -607,15 +607,15 @@ LANE_VECTOR_LOADS = True
 #: ``mean`` of float32 in the compiled in-order pass multiplies by an approximate
 #: reciprocal (:func:`packed_kernels.fast_math.reciprocal`, 1 ulp) instead of dividing.
 FAST_DIVIDE = True
-#: Register cap of the compiled in-order ``mean`` of rows of 2 to 4 columns (None: the
+#: Register cap of the compiled in-order float32 ``mean`` of rows of 2 to 4 columns (None: the
 #: compiler's choice). Measured on an H200: the cap of 64 makes ptxas schedule the pass
 #: about 10% faster than its own choice of 48 to 56 registers; other cases gain nothing.
 MEAN_ROWS_MAXNREG = 64
 
 
-def _register_cap(epilogue: int, n_cols: int) -> dict:
+def _register_cap(epilogue: int, n_cols: int, dtype: torch.dtype) -> dict:
     """Launch option capping the in-order pass's registers (compiled code only)."""
-    cap = MEAN_ROWS_MAXNREG if epilogue == DIVIDE_BY_COUNT and n_cols > 1 else None
+    cap = MEAN_ROWS_MAXNREG if epilogue == DIVIDE_BY_COUNT and n_cols > 1 and dtype == torch.float32 else None
     return {} if cap is None or runtime.INTERPRETED else {"maxnreg": cap}
 
 
@@ -706,7 +706,7 @@ def segment_reduce(x: torch.Tensor, y, idx: torch.Tensor, num_segments: int, pro
             BITS=rows_per_thread.bit_length() - 1, THREADS=lanes,
             VECTOR_IDX=_vector_loads(idx, rows_per_thread), VECTOR_X=_vector_loads(x, rows_per_thread), ACC_DTYPE=acc,
             FAST_DIVIDE=FAST_DIVIDE and not runtime.INTERPRETED and acc == tl.float32,
-            num_warps=max(1, min(16, lanes // 32)), **_register_cap(epilogue, n_cols),
+            num_warps=max(1, min(16, lanes // 32)), **_register_cap(epilogue, n_cols, x.dtype),
         )
     else:
         segment_reduce_chunks_kernel[(n_chunks, col_blocks)](
