@@ -16,7 +16,6 @@ from typing import Tuple
 
 import numpy as np
 import torch
-import triton
 
 from .. import runtime
 from ..arguments import integer_argument

@@ -604,8 +604,9 @@ ROWS_IN_ORDER_THREADS = 128
 #: Let the compiled in-order pass read each lane's rows with 16-byte loads
 #: (:func:`packed_kernels.register_columns.load_lane_rows`) where the data allow it.
 LANE_VECTOR_LOADS = True
-#: ``mean`` of float32 in the compiled in-order pass multiplies by an approximate
-#: reciprocal (:func:`packed_kernels.fast_math.reciprocal`, 1 ulp) instead of dividing.
+#: ``mean`` in the in-order pass multiplies each row by the reciprocal of its count; for
+#: compiled float32 that reciprocal is the approximate ``rcp.approx`` (1 ulp,
+#: :func:`packed_kernels.fast_math.reciprocal`) instead of ``1.0 / count``.
 FAST_DIVIDE = True
 #: Register cap of the compiled in-order float32 ``mean`` of rows of 2 to 4 columns (None: the
 #: compiler's choice). Measured on an H200: the cap of 64 makes ptxas schedule the pass
