@@ -341,83 +341,17 @@ def _reciprocal_newton(x):
 
 
 @triton.jit
-def _reciprocals(x, n: tl.constexpr, FAST: tl.constexpr, NEWTON: tl.constexpr, PAIRS: tl.constexpr,
-                 lo, hi):
-    """``1 / x`` of each of the ``n`` vectors in the tuple ``x``; ``lo``, ``hi`` updated.
-
-    The first ``PAIRS`` pairs ``(a, b)`` share one special-function reciprocal:
-    ``r = 1 / (a b)``, ``1/a = r b``, ``1/b = r a`` (three multiplies in place of a
-    reciprocal). That is exact to a few ulps while ``a b`` stays well inside the
-    float32 range, so the smallest and largest products are kept in ``lo`` and ``hi``
-    for the caller to check. The next ``NEWTON`` use :func:`_reciprocal_newton`; the
-    rest one reciprocal each.
-    """
-    out = ()
-    for j in tl.static_range(n):
-        if j < 2 * PAIRS:
-            if j % 2 == 0:
-                product = x[j] * x[j + 1]
-                r = _reciprocal(product, FAST)
-                lo = tl.minimum(lo, product)
-                hi = tl.maximum(hi, product)
-                out = out + (r * x[j + 1], r * x[j])
-        elif j < 2 * PAIRS + NEWTON:
-            out = out + (_reciprocal_newton(x[j]),)
-        else:
-            out = out + (_reciprocal(x[j], FAST),)
-    return out, lo, hi
-
-
-@triton.jit
-def _scaling_iterations(K, iters, n: tl.constexpr, BLOCK: tl.constexpr, FAST: tl.constexpr,
-                        NEWTON: tl.constexpr, PAIRS: tl.constexpr, COMPUTE: tl.constexpr):
-    """``iters`` Sinkhorn iterations on the scaling vectors of ``K`` (``K[j][i]``: column j).
-
-    Returns ``u``, ``v`` and whether every product of :func:`_reciprocals` stayed
-    within ``[2^-100, 2^100]`` (a scalar for the whole tile).
-    """
-    u = ()
-    for i in tl.static_range(n):
-        u = u + (tl.full((BLOCK,), 1.0, COMPUTE),)
-    v = u
-    lo = tl.full((BLOCK,), 1.0, COMPUTE)
-    hi = lo
-    for _ in range(iters):
-        col_sums = ()
-        for j in tl.static_range(n):
-            col_sum = K[j][0] * u[0]
-            for i in tl.static_range(1, n):
-                col_sum += K[j][i] * u[i]
-            col_sums = col_sums + (col_sum,)
-        v, lo, hi = _reciprocals(col_sums, n, FAST, NEWTON, PAIRS, lo, hi)
-        row_sums = ()
-        for i in tl.static_range(n):
-            row_sum = K[0][i] * v[0]
-            for j in tl.static_range(1, n):
-                row_sum += K[j][i] * v[j]
-            row_sums = row_sums + (row_sum,)
-        u, lo, hi = _reciprocals(row_sums, n, FAST, NEWTON, PAIRS, lo, hi)
-    in_range = (tl.min(lo, axis=0) >= 7.888609052210118e-31) & (tl.max(hi, axis=0) <= 1.2676506002282294e30)
-    return u, v, in_range
-
-
-@triton.jit
 def sinkhorn_forward_small_kernel(logits_ptr, out_ptr, num_tokens, iters,
                                   n: tl.constexpr, BITS: tl.constexpr, BLOCK: tl.constexpr,
-                                  FAST: tl.constexpr, COMPUTE: tl.constexpr, NEWTON: tl.constexpr = 0,
-                                  PAIRS: tl.constexpr = 0):
+                                  FAST: tl.constexpr, COMPUTE: tl.constexpr, NEWTON: tl.constexpr = 0):
     """Forward for ``n`` in 2, 4, 8, one token per thread, on the scaling vectors.
 
     With ``K = exp(X - colmax X)``, every iterate is ``diag(u) K diag(v)``: the column
     step sets ``v = 1 / (K^T u)``, the row step ``u = 1 / (K v)`` (``u = 1`` at the
     start), and ``R = diag(u) K diag(v)`` at the end: the same map as the matrix
     iterations, in ``2 n^2`` multiply-adds and ``2n`` reciprocals per iteration.
-    Reciprocals (float32 only; see :func:`_reciprocals`): ``PAIRS`` pairs of each
-    half-step share one special-function reciprocal and ``NEWTON`` use multiply-adds
-    only, balancing the special-function unit against the multiply-add units. A tile
-    in which a shared pair's product left ``[2^-100, 2^100]`` (sums far from 1: very
-    peaked logits) is recomputed with one reciprocal per sum, so that the result never
-    depends on the product's range.
+    ``NEWTON`` of the ``n`` reciprocals of each half-step use :func:`_reciprocal_newton`
+    (float32 only), balancing the special-function unit against the multiply-add units.
     """
     NN: tl.constexpr = n * n
     tok = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
@@ -433,10 +367,29 @@ def sinkhorn_forward_small_kernel(logits_ptr, out_ptr, num_tokens, iters,
         for i in tl.static_range(n):
             column = column + (tl.exp(x[i * n + j] - col_max),)
         K = K + (column,)
-    u, v, in_range = _scaling_iterations(K, iters, n, BLOCK, FAST, NEWTON, PAIRS, COMPUTE)
-    if PAIRS > 0:
-        if in_range == 0:
-            u, v, in_range = _scaling_iterations(K, iters, n, BLOCK, FAST, NEWTON, 0, COMPUTE)
+    u = ()
+    for i in tl.static_range(n):
+        u = u + (tl.full((BLOCK,), 1.0, COMPUTE),)
+    v = u
+    for _ in range(iters):
+        v = ()
+        for j in tl.static_range(n):
+            col_sum = K[j][0] * u[0]
+            for i in tl.static_range(1, n):
+                col_sum += K[j][i] * u[i]
+            if j < NEWTON:
+                v = v + (_reciprocal_newton(col_sum),)
+            else:
+                v = v + (_reciprocal(col_sum, FAST),)
+        u = ()
+        for i in tl.static_range(n):
+            row_sum = K[0][i] * v[0]
+            for j in tl.static_range(1, n):
+                row_sum += K[j][i] * v[j]
+            if i < NEWTON:
+                u = u + (_reciprocal_newton(row_sum),)
+            else:
+                u = u + (_reciprocal(row_sum, FAST),)
     R = ()
     for k in tl.static_range(NN):
         R = R + (u[k // n] * K[k % n][k // n] * v[k % n],)
@@ -669,7 +622,7 @@ def _fast(dtype: torch.dtype) -> bool:
 
 @runtime.on_inputs_device
 def sinkhorn_forward_triton(logits: torch.Tensor, iters: int, *, block: int = 0, num_warps: int = 0,
-                            flat=None, tile: bool = False, newton: int = 0, pairs: int = 1) -> torch.Tensor:
+                            flat=None, tile: bool = False, newton: int = 0) -> torch.Tensor:
     """``(T, n, n)`` contiguous logits -> ``(T, n, n)`` doubly stochastic (approximately) ``R``.
 
     ``n`` in :data:`SMALL_N` uses the one-token-per-thread kernel unless ``tile``.
@@ -685,7 +638,6 @@ def sinkhorn_forward_triton(logits: torch.Tensor, iters: int, *, block: int = 0,
         sinkhorn_forward_small_kernel[grid](logits, out, T, iters, n=n, BITS=2 * (N.bit_length() - 1),
                                             BLOCK=BLOCK, FAST=_fast(logits.dtype),
                                             NEWTON=newton if logits.dtype != torch.float64 else 0,
-                                            PAIRS=pairs if logits.dtype != torch.float64 else 0,
                                             COMPUTE=_compute_dtype(logits.dtype),
                                             num_warps=num_warps or max(1, BLOCK // 32))
         return out
@@ -714,11 +666,8 @@ def segments(iters: int):
     return seg_len, num_segs, seg_len, _pow2(num_segs)
 
 
-#: most iterations the unrolled one-token-per-thread backward keeps on chip, per n (at
-#: n = 8 a thread's iterates outgrow the registers and part of them is spilled to the
-#: per-thread local memory, which stays in L1 and L2: measured 4x faster than the tile
-#: kernel's checkpoints, H200)
-SMALL_MAX_ITERS = {2: 32, 4: 24, 8: 24}
+#: most iterations the unrolled one-token-per-thread backward keeps in registers, per n
+SMALL_MAX_ITERS = {2: 32, 4: 24, 8: 0}
 #: register cap and tokens per program of the unrolled backward at n = 4, below float64:
 #: 168 registers (a few spills) let 12 warps share an SM instead of 8 (H200, 4M tokens,
 #: 20 iterations: 0.62 ms against 0.72 ms)
@@ -738,7 +687,7 @@ def sinkhorn_unrolled_backward_triton(logits: torch.Tensor, grad_R: torch.Tensor
     N = _pow2(n)
     if n in SMALL_N and iters <= SMALL_MAX_ITERS[n] and not tile:
         if maxnreg < 0:
-            maxnreg = UNROLLED_MAXNREG.get(n, 0) if logits.dtype != torch.float64 else 0
+            maxnreg = UNROLLED_MAXNREG.get(n, 0) if logits.dtype != torch.float64 and not runtime.INTERPRETED else 0
         BLOCK = block or (UNROLLED_BLOCK.get(n, 0) if logits.dtype != torch.float64 else 0) or _small_block(n, logits.dtype)
         grid = (runtime.cdiv(T, BLOCK),)
         sinkhorn_unrolled_backward_small_kernel[grid](logits, grad_R, out, T, n=n, BITS=2 * (N.bit_length() - 1),
