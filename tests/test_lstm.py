@@ -219,14 +219,13 @@ def test_persistent_packed_zero_length_and_empty(device):
 # The kernel's configurations that the interpreter can run
 
 
-@pytest.mark.parametrize("matvec,block_b,prefetch,sync", [(0, 2, 1, 0), (1, 4, 2, 0), (2, 1, 1, 0), (2, 8, 2, 0),
-                                                          (3, 16, 2, 0), (2, 2, 1, 2), (3, 16, 2, 2)],
+@pytest.mark.parametrize("matvec,block_b,prefetch", [(0, 2, 1), (1, 4, 2), (2, 1, 1), (2, 8, 2), (3, 16, 2)],
                          ids=lambda v: str(v))
-def test_single_program_configurations(device, matvec, block_b, prefetch, sync):
+def test_single_program_configurations(device, matvec, block_b, prefetch):
     lstm = make_lstm(5, 24, 1, True, device=device)
     lengths = torch.tensor([6, 2, 5], device=device)
     padded = torch.randn(3, 6, 5, device=device)
-    config = RecurrenceConfig(1, block_b, matvec, sync, 4, prefetch=prefetch)
+    config = RecurrenceConfig(1, block_b, matvec, 0, 4, prefetch=prefetch)
     with torch.no_grad():
         out, (h, c) = PersistentLSTM.from_torch(lstm, config)(pack(padded, lengths))
         ref, (h_ref, c_ref) = packed_reference(lstm, padded, lengths)
@@ -241,10 +240,10 @@ def test_configuration_checks(device):
     with torch.no_grad():
         with pytest.raises(ValueError, match="block_b < 16"):
             PersistentLSTM.from_torch(lstm, RecurrenceConfig(1, 16, 2, 0))(x)
-        with pytest.raises(ValueError, match="needs sync 1 or 2"):
+        with pytest.raises(ValueError, match="needs sync 1"):
             PersistentLSTM.from_torch(lstm, RecurrenceConfig(2, 2, 0, 0))(x)
-        with pytest.raises(ValueError, match="needs sync 0, 1 or 2"):
-            PersistentLSTM.from_torch(lstm, RecurrenceConfig(1, 2, 0, 3))(x)
+        with pytest.raises(ValueError, match="needs sync 0 or 1"):
+            PersistentLSTM.from_torch(lstm, RecurrenceConfig(1, 2, 0, 2))(x)
         with pytest.raises(ValueError, match="must divide"):
             PersistentLSTM.from_torch(lstm, RecurrenceConfig(3, 2, 0, 1))(x)
     config = choose_config(37, 128, 2, torch.device(device))
@@ -383,16 +382,15 @@ def test_cooperative_default_configuration_repeated(B, H):
 
 
 @gpu_only
-@pytest.mark.parametrize("units,matvec,num_warps,prefetch,sync",
-                         [(16, 0, 4, 1, 1), (16, 1, 4, 1, 1), (16, 2, 4, 2, 1), (32, 2, 4, 1, 1), (8, 2, 2, 2, 1),
-                          (16, 3, 4, 2, 1), (16, 2, 4, 2, 2), (32, 2, 4, 1, 2), (8, 2, 2, 2, 2), (16, 3, 4, 2, 2)],
+@pytest.mark.parametrize("units,matvec,num_warps,prefetch", [(16, 0, 4, 1), (16, 1, 4, 1), (16, 2, 4, 2),
+                                                             (32, 2, 4, 1), (8, 2, 2, 2), (16, 3, 4, 2)],
                          ids=lambda v: str(v))
-def test_cooperative_variants(units, matvec, num_warps, prefetch, sync):
+def test_cooperative_variants(units, matvec, num_warps, prefetch):
     lstm = make_lstm(13, 64, 2, True, device="cuda")
     lengths = torch.tensor([30, 17, 1, 9, 5, 2, 11], device="cuda")
     padded = torch.randn(7, 30, 13, device="cuda")
     block_b = 16 if matvec in (1, 3) else 2
-    config = RecurrenceConfig(64 // units, block_b, matvec, sync, num_warps, prefetch=prefetch)
+    config = RecurrenceConfig(64 // units, block_b, matvec, 1, num_warps, prefetch=prefetch)
     with torch.no_grad():
         ref, (h_ref, c_ref) = packed_reference(lstm, padded, lengths)
         for run in range(5):
