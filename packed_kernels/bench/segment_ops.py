@@ -26,7 +26,7 @@ once, ``idx`` read once per stage) over the measured copy bandwidth.
 """
 from __future__ import annotations
 
-from typing import Callable, Dict, Iterable, List
+from typing import Callable, Iterable, List
 
 import torch
 
