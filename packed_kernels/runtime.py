@@ -17,6 +17,7 @@ import itertools
 import os
 import sys
 import warnings
+from typing import Optional
 
 import torch
 
@@ -70,6 +71,12 @@ def cdiv(a: int, b: int) -> int:
 def next_power_of_2(n: int) -> int:
     """The smallest power of two ``>= n`` (0 for 0), as ``triton.next_power_of_2``."""
     return 1 << (int(n) - 1).bit_length() if n > 0 else 0
+
+
+def register_cap(cap: Optional[int]) -> dict:
+    """Launch options capping a kernel's registers per thread at ``cap`` (``None``: the
+    compiler's choice). Empty under the interpreter, which compiles nothing."""
+    return {} if cap is None or INTERPRETED else {"maxnreg": cap}
 
 
 def check_kernel_device(name: str, tensor: torch.Tensor) -> None:

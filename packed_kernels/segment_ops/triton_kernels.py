@@ -617,7 +617,7 @@ MEAN_ROWS_MAXNREG = 64
 def _register_cap(epilogue: int, n_cols: int, dtype: torch.dtype) -> dict:
     """Launch option capping the in-order pass's registers (compiled code only)."""
     cap = MEAN_ROWS_MAXNREG if epilogue == DIVIDE_BY_COUNT and n_cols > 1 and dtype == torch.float32 else None
-    return {} if cap is None or runtime.INTERPRETED else {"maxnreg": cap}
+    return runtime.register_cap(cap)
 
 
 def _vector_loads(t: torch.Tensor, rows_per_thread: int) -> bool:

@@ -19,6 +19,7 @@ tensor of the input's dtype. Validation happens in :mod:`.api`.
 from __future__ import annotations
 
 import math
+from typing import Optional
 
 import torch
 import triton
@@ -678,7 +679,7 @@ UNROLLED_BLOCK = {4: 64}
 @runtime.on_inputs_device
 def sinkhorn_unrolled_backward_triton(logits: torch.Tensor, grad_R: torch.Tensor, iters: int, *,
                                       block: int = 0, num_warps: int = 0, flat=None,
-                                      tile: bool = False, maxnreg: int = -1) -> torch.Tensor:
+                                      tile: bool = False, maxnreg: Optional[int] = None) -> torch.Tensor:
     """``(T, n, n)`` logits and ``dL/dR`` -> ``dL/dlogits`` of the ``iters``-step map."""
     T, n, _ = logits.shape
     out = torch.empty_like(logits)
@@ -686,15 +687,16 @@ def sinkhorn_unrolled_backward_triton(logits: torch.Tensor, grad_R: torch.Tensor
         return out
     N = _pow2(n)
     if n in SMALL_N and iters <= SMALL_MAX_ITERS[n] and not tile:
-        if maxnreg < 0:
-            maxnreg = UNROLLED_MAXNREG.get(n, 0) if logits.dtype != torch.float64 and not runtime.INTERPRETED else 0
-        BLOCK = block or (UNROLLED_BLOCK.get(n, 0) if logits.dtype != torch.float64 else 0) or _small_block(n, logits.dtype)
+        tuned = logits.dtype != torch.float64  # the settings measured below float64 only
+        if maxnreg is None and tuned:
+            maxnreg = UNROLLED_MAXNREG.get(n)
+        BLOCK = block or (tuned and UNROLLED_BLOCK.get(n)) or _small_block(n, logits.dtype)
         grid = (runtime.cdiv(T, BLOCK),)
         sinkhorn_unrolled_backward_small_kernel[grid](logits, grad_R, out, T, n=n, BITS=2 * (N.bit_length() - 1),
                                                       ITERS=iters, BLOCK=BLOCK, FAST=_fast(logits.dtype),
                                                       COMPUTE=_compute_dtype(logits.dtype),
                                                       num_warps=num_warps or max(1, BLOCK // 32),
-                                                      **({"maxnreg": maxnreg} if maxnreg else {}))
+                                                      **runtime.register_cap(maxnreg))
         return out
     seg_len, num_segs, SEG, SEGS = segments(iters)
     BLOCK = block or _block_tokens(N, 512)
