@@ -244,6 +244,8 @@ def test_configuration_checks(device):
             PersistentLSTM.from_torch(lstm, RecurrenceConfig(2, 2, 0, 0))(x)
         with pytest.raises(ValueError, match="needs sync 0 or 1"):
             PersistentLSTM.from_torch(lstm, RecurrenceConfig(1, 2, 0, 2))(x)
+        with pytest.raises(ValueError, match="needs sync 1 or 2"):
+            PersistentLSTM.from_torch(lstm, RecurrenceConfig(2, 2, 0, 3))(x)
         with pytest.raises(ValueError, match="must divide"):
             PersistentLSTM.from_torch(lstm, RecurrenceConfig(3, 2, 0, 1))(x)
     config = choose_config(37, 128, 2, torch.device(device))
@@ -382,15 +384,19 @@ def test_cooperative_default_configuration_repeated(B, H):
 
 
 @gpu_only
-@pytest.mark.parametrize("units,matvec,num_warps,prefetch", [(16, 0, 4, 1), (16, 1, 4, 1), (16, 2, 4, 2),
-                                                             (32, 2, 4, 1), (8, 2, 2, 2), (16, 3, 4, 2)],
-                         ids=lambda v: str(v))
-def test_cooperative_variants(units, matvec, num_warps, prefetch):
+@pytest.mark.parametrize(
+    "units,matvec,num_warps,prefetch,sync,block_b",
+    [(16, 0, 4, 1, 1, 2), (16, 1, 4, 1, 1, 16), (16, 2, 4, 2, 1, 2), (32, 2, 4, 1, 1, 2), (8, 2, 2, 2, 1, 2),
+     (16, 3, 4, 2, 1, 16),
+     # step-tagged words; one row of 64 units over 4 or 8 warps holds every word in several threads
+     (16, 0, 4, 1, 2, 2), (16, 1, 4, 1, 2, 16), (16, 2, 4, 2, 2, 1), (32, 2, 8, 2, 2, 1), (32, 2, 4, 1, 2, 4),
+     (8, 2, 2, 2, 2, 2), (16, 3, 4, 2, 2, 16)],
+    ids=lambda v: str(v))
+def test_cooperative_variants(units, matvec, num_warps, prefetch, sync, block_b):
     lstm = make_lstm(13, 64, 2, True, device="cuda")
     lengths = torch.tensor([30, 17, 1, 9, 5, 2, 11], device="cuda")
     padded = torch.randn(7, 30, 13, device="cuda")
-    block_b = 16 if matvec in (1, 3) else 2
-    config = RecurrenceConfig(64 // units, block_b, matvec, 1, num_warps, prefetch=prefetch)
+    config = RecurrenceConfig(64 // units, block_b, matvec, sync, num_warps, prefetch=prefetch)
     with torch.no_grad():
         ref, (h_ref, c_ref) = packed_reference(lstm, padded, lengths)
         for run in range(5):
@@ -409,6 +415,7 @@ def test_cooperative_grid_never_exceeds_the_sm_count():
         for H in (16, 100, 128, 256, 512):
             for D in (1, 2):
                 cfg = choose_config(B, H, D, torch.device("cuda"))
+                assert cfg.sync == (0 if cfg.programs_per_tile == 1 else 1 if cfg.matvec == 3 else 2), cfg
                 per_launch = min(-(-B // cfg.block_b), sms // (D * cfg.programs_per_tile))
                 assert cfg.programs_per_tile * per_launch * D <= sms, (B, H, D, cfg)
     lstm = make_lstm(3, 128, 1, True, device="cuda")

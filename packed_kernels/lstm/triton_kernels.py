@@ -19,13 +19,27 @@ in global memory (it stays in L2), computes its ``U`` units of ``h_t`` and ``c_t
 (``c`` never leaves the program), writes its slice of ``h_t`` back and waits until
 the other ``K - 1`` programs have written theirs.
 
-The wait is a step counter per (direction, tile): after a CTA barrier (every
-thread's store issued and ordered), one release ``atomic_add`` per program; then
-acquire loads of the counter until it reaches ``K (s + 1)``, after which the new
-``h`` is read from L2 (``.cg``, never a stale L1 line). This is the pattern of a
-cooperative grid barrier, restricted to the ``K`` programs that share data. The
-exchange buffer is double buffered by step parity, so a fast program never
-overwrites values a slow one still reads.
+The wait (``sync`` 2, the default) is carried by the data itself: every entry of the
+exchange buffer is one 64-bit word, the step number in its high half and the float32
+bits of ``h`` in its low half, written by one store that no reader can see half-done.
+A program polls its tile's ``h`` (volatile loads from L2) until every word carries the
+step it waits for; it then has the values too. One round trip through L2 per step
+when the data is ready, where a separate flag needs the writer's fence and counter
+update and the reader's counter loads before the data load (``sync`` 1, kept as an
+option: after a CTA barrier one release ``atomic_add`` per program, acquire loads of
+the counter until it reaches ``K (s + 1)``, then a ``.cg`` load of ``h``).
+
+The poll's verdict must cover every copy of every word. Triton may lay a small tile
+out with several threads holding the same element (a ``(1, 64)`` tile over 128
+threads holds each twice), and a ``tl.sum`` treats such copies as one: it can pass
+while another thread's copy is still a step old. So each thread votes on what it
+loaded itself, through the CTA barrier-reduction ``bar.red.or`` (:func:`_any_stale`),
+and the program leaves the loop only when no thread saw a stale word.
+
+The exchange buffer is double buffered by step parity, so a fast program never
+overwrites values a slow one still reads: it can only write step ``s + 2`` into a
+slot after reading every program's step ``s + 1``, which each wrote after reading
+step ``s``.
 
 The wait needs every cooperating program resident at once (a program waiting for one
 that never gets an SM would wait forever): the wrapper keeps each launch within the
@@ -70,6 +84,27 @@ def _sigmoid(z):
 def _tanh(z):
     # 1 - 2 / (e^{2z} + 1): exact limits +-1 when e^{2z} overflows or underflows.
     return 1.0 - 2.0 / (tl.exp(2.0 * z) + 1.0)
+
+
+@triton.jit
+def _any_stale(stale, VOTE_PACK: tl.constexpr):
+    """Whether any thread of the program holds a nonzero entry of ``stale`` (0/1 int8).
+
+    ``bar.red.or.pred`` is a CTA barrier that ORs one predicate over all threads. Each
+    thread votes once per ``VOTE_PACK`` of its entries (1, or 4 bytes of one register),
+    so entries that several threads hold are voted on by every holder; the max then
+    covers the votes. ``VOTE_PACK`` 4 needs a multiple of 4 entries per thread.
+    GPU only (inline PTX).
+    """
+    if VOTE_PACK == 4:
+        votes = tl.inline_asm_elementwise(
+            "{ .reg .pred p, q; setp.ne.b32 p, $1, 0; bar.red.or.pred q, 0, p; selp.b32 $0, 0x01010101, 0, q; }",
+            "=r,r", [stale], dtype=tl.int8, is_pure=False, pack=4)
+    else:
+        votes = tl.inline_asm_elementwise(
+            "{ .reg .pred p, q; setp.ne.s32 p, $1, 0; bar.red.or.pred q, 0, p; selp.s32 $0, 1, 0, q; }",
+            "=r,r", [stale.to(tl.int32)], dtype=tl.int32, is_pure=False, pack=1)
+    return tl.max(votes)
 
 
 @triton.jit
@@ -141,7 +176,7 @@ def _lstm_recurrence_kernel(
     B, H, row_step, n_tiles,
     NUM_DIRECTIONS: tl.constexpr, K: tl.constexpr, BLOCK_B: tl.constexpr,
     BLOCK_H: tl.constexpr, UNITS: tl.constexpr, MATVEC: tl.constexpr, SYNC: tl.constexpr,
-    PREFETCH: tl.constexpr,
+    PREFETCH: tl.constexpr, VOTE_PACK: tl.constexpr,
 ):
     """The recurrence of one LSTM layer, all directions, in one launch.
 
@@ -159,7 +194,8 @@ def _lstm_recurrence_kernel(
     Layouts (float32, contiguous): ``xw`` ``(N, D * 4H)``, ``W_hh`` ``(D, 4H, H)``,
     ``out`` ``(N, D * H)``, ``h0``/``c0``/``hn``/``cn`` ``(D, B, H)``; frame ``t`` of
     sequence ``b`` is row ``row_start[b] + t * row_step``. ``exchange`` is ``(2, D, B,
-    H)`` float32, slot 0 holding ``h0``; ``counter`` ``(D, n_tiles)`` int32 zeros
+    H)``, slot 0 holding ``h0``: float32, or with ``SYNC`` 2 int64 words tagged with
+    their step (``h0`` step 0, slot 1 step -1); ``counter`` ``(D, n_tiles)`` int32 zeros
     (``SYNC`` 1: the step counter of each direction and tile). Program ``(k, tile,
     d)`` owns units ``[k UNITS, (k + 1) UNITS)`` of rows ``[tile BLOCK_B, (tile
     + 1) BLOCK_B)`` in direction ``d``.
@@ -200,9 +236,19 @@ def _lstm_recurrence_kernel(
         y_i, y_f, y_g, y_o = _load_step_inputs(xw_ptr, row_start, lengths, 1, d, H, units, mask_units,
                                                row_step, NUM_DIRECTIONS)
     for s in range(0, n_steps):
-        # h_{s-1} of the whole tile, as written by all K programs. .cg reads L2, never a
-        # stale L1 line from an earlier step.
-        h = tl.load(exchange_ptr + (s % 2) * slot_size + full, mask=mask_full, other=0.0, cache_modifier=".cg")
+        if SYNC == 2:
+            # Each entry is (step << 32) | float bits, one 64-bit word: a reader sees the
+            # value and its step together. Poll until every entry of the tile is step s.
+            word = exchange_ptr + (s % 2) * slot_size + full
+            packed = tl.load(word, mask=mask_full, other=0, volatile=True)
+            while _any_stale((mask_full & ((packed >> 32).to(tl.int32) != s)).to(tl.int8), VOTE_PACK) > 0:
+                packed = tl.load(word, mask=mask_full, other=0, volatile=True)
+            h = packed.to(tl.int32).to(tl.float32, bitcast=True)  # the low 32 bits
+        else:
+            # h_{s-1} of the whole tile, as written by all K programs. .cg reads L2, never a
+            # stale L1 line from an earlier step.
+            h = tl.load(exchange_ptr + (s % 2) * slot_size + full, mask=mask_full, other=0.0,
+                        cache_modifier=".cg")
         if K == 1:
             # Nothing is held across steps: the whole W_hh is re-read (from cache) each step.
             w_i = _load_gate_weight(w_hh_ptr, d, 0, H, units, cols, mask_units, mask_cols, MATVEC)
@@ -225,7 +271,11 @@ def _lstm_recurrence_kernel(
         c = tl.where(active[:, None], c_new, c)
         h_own = tl.where(active[:, None], h_new, h_own)
 
-        tl.store(exchange_ptr + ((s + 1) % 2) * slot_size + own, h_own, mask=mask_own)
+        if SYNC == 2:
+            word = h_own.to(tl.uint32, bitcast=True).to(tl.int64) | ((tl.zeros((), tl.int64) + s + 1) << 32)
+            tl.store(exchange_ptr + ((s + 1) % 2) * slot_size + own, word, mask=mask_own)
+        else:
+            tl.store(exchange_ptr + ((s + 1) % 2) * slot_size + own, h_own, mask=mask_own)
         # Later steps' inputs do not depend on h: their loads (from DRAM) overlap the wait below.
         if PREFETCH == 2:
             x_i, x_f, x_g, x_o = y_i, y_f, y_g, y_o
@@ -242,7 +292,7 @@ def _lstm_recurrence_kernel(
             arrived = tl.atomic_add(counter, 0, sem="acquire", scope="gpu")
             while arrived < K * (s + 1):
                 arrived = tl.atomic_add(counter, 0, sem="acquire", scope="gpu")
-        else:
+        elif SYNC == 0:
             tl.debug_barrier()  # the next step reads values other threads of this program wrote
 
     tl.store(hn_ptr + own, h_own, mask=mask_own)
@@ -263,8 +313,9 @@ class RecurrenceConfig:
             float32, 2 broadcast multiply and sum over transposed weights (only
             with ``block_b < 16``), 3 ``tl.dot`` with three TF32 products per
             product (tensor cores, float32 accuracy).
-        sync: 1, the step counter (needed with ``K > 1``), or 0, a CTA barrier only
-            (only valid with ``K = 1``).
+        sync: how programs wait for each other's ``h``: 2, step-tagged 64-bit
+            words polled in place (GPU only); 1, a step counter; 0, a CTA barrier
+            only. ``K > 1`` needs 1 or 2, ``K = 1`` 0 or 1.
         num_warps: warps per program.
         prefetch: how many steps ahead the projected inputs are loaded (1 or 2).
     """
@@ -288,23 +339,30 @@ def choose_config(batch: int, hidden: int, num_directions: int, device: torch.de
     (direction, batch tile), as many tiles as fit. Per-program work is ``block_b x
     units x H`` multiply-adds per gate and step; beyond about 128 per thread the sums
     no longer stay in registers and time climbs steeply, so a batch that needs more
-    rows per program than that runs as several launches. Among the splits, the fewest
+    rows per program than that runs as several launches. Slices of 16, 32 or 64
+    units (64 with 8 warps, at hidden sizes up to 128). Among the splits, the fewest
     launches, then the least work per thread, then (measured on an H200) fewer
     programs per exchange for H <= 128 and the smaller weight slice for larger H.
     The tensor-core product (``matvec`` 3, 16 rows per program) measured slower than
-    these CUDA-core sums wherever they fit in one launch; where they need several
-    (hidden size up to 128), one launch of it is used instead.
+    these CUDA-core sums where they fit in one launch with little work per thread;
+    where they need several launches, or the full 128 multiply-adds per thread
+    (hidden size up to 128), one launch of it is used instead. The CUDA-core
+    configurations wait on step-tagged words (``sync`` 2), the tensor-core one on the
+    step counter (``sync`` 1), each the faster there.
     """
     block_h = max(runtime.next_power_of_2(hidden), 16)
     if runtime.INTERPRETED or device.type != "cuda":
         # The interpreter runs programs one after another: no cross-program waits.
         return RecurrenceConfig(1, min(runtime.next_power_of_2(max(batch, 1)), 16), 0, 0, 4)
     sms = _sm_count(device)
-    num_warps = 4 if block_h <= 128 else 8
-    threads = 32 * num_warps
     best = None
-    for units in (16, 32):
+    for units in (16, 32, 64):
         units = min(units, block_h)
+        # 8 warps for large hidden sizes and for 64-unit slices (128 registers of weights a thread)
+        num_warps = 4 if block_h <= 128 and units <= 32 else 8
+        threads = 32 * num_warps
+        if 4 * units * block_h // threads > 128:
+            continue
         k = block_h // units
         if num_directions * k > sms:
             continue
@@ -321,18 +379,21 @@ def choose_config(batch: int, hidden: int, num_directions: int, device: torch.de
         key = (launches, work, k if block_h <= 128 else -k)
         if best is None or key < best[0]:
             prefetch = 2 if block_b == 1 else 1  # measured a few percent faster at one row per program
-            best = (key, RecurrenceConfig(k, block_b, 2, 1 if k > 1 else 0, num_warps, prefetch=prefetch))
+            best = (key, RecurrenceConfig(k, block_b, 2, 2 if k > 1 else 0, num_warps, prefetch=prefetch))
     if best is None:
         raise ValueError(f"hidden_size={hidden} is too large for the persistent kernels (at most {MAX_HIDDEN})")
-    launches = best[0][0]
-    if launches > 1 and block_h <= 128:
-        # A batch too large for one launch of CUDA-core sums: 16 rows per program on the
-        # tensor cores (tf32x3) in one launch beat two launches (H200, hidden 128, batch
-        # 128: 12.9 ms against 17.3 ms); at hidden 256 the weight slice outgrows shared memory.
+    launches, work = best[0][:2]
+    if block_h <= 128 and (launches > 1 or work >= 128):
+        # Many rows per program: 16 rows per program on the tensor cores (tf32x3) in one
+        # launch beat the CUDA-core sums (H200, hidden 128, batch 128: 13.0 ms, against
+        # about 15 ms for one launch of 4 rows per program and 17.3 ms for two launches);
+        # at hidden 256 the weight slice outgrows shared memory. With 16 rows a thread
+        # holds 16 words of h: voting on them (``sync`` 2) cost more than the step
+        # counter (14.6 against 13.0 ms at batch 128, 17.5 against 15.9 at 256).
         k = max(block_h // 32, 1)
         tiles = sms // (num_directions * k)
-        if tiles >= 1 and runtime.cdiv(batch, tiles * 16) < launches:
-            return RecurrenceConfig(k, 16, 3, 1 if k > 1 else 0, num_warps)
+        if tiles >= 1 and runtime.cdiv(batch, tiles * 16) <= launches:
+            return RecurrenceConfig(k, 16, 3, 1 if k > 1 else 0, 4)
     return best[1]
 
 
@@ -381,8 +442,9 @@ def lstm_recurrence(
     k = config.programs_per_tile
     if block_h % k:
         raise ValueError(f"programs_per_tile={k} must divide the padded hidden size {block_h}")
-    if config.sync not in (0, 1) or (k > 1 and config.sync != 1):
-        raise ValueError(f"programs_per_tile={k} needs sync {1 if k > 1 else '0 or 1'}, got {config.sync}")
+    allowed = (1, 2) if k > 1 else (0, 1)
+    if config.sync not in allowed:
+        raise ValueError(f"programs_per_tile={k} needs sync {' or '.join(map(str, allowed))}, got {config.sync}")
     if config.matvec == 2 and config.block_b >= 16:
         raise ValueError("matvec=2 needs block_b < 16 (Triton turns larger ones into a TF32 dot)")
     if k > 1 and runtime.INTERPRETED:
@@ -421,13 +483,21 @@ def _launch(xw, w_hh, h0, c0, row_start, lengths, row_step, out, h_n, c_n, confi
     k = config.programs_per_tile
     n_tiles = runtime.cdiv(batch, config.block_b)
     grid = (k, n_tiles, num_directions)
-    exchange = torch.empty((2, num_directions, batch, hidden), dtype=torch.float32, device=xw.device)
-    exchange[0] = h0
+    if config.sync == 2:
+        # slot 0: h0 tagged step 0; slot 1: tagged -1, never a step a reader waits for
+        exchange = torch.empty((2, num_directions, batch, hidden), dtype=torch.int64, device=xw.device)
+        exchange[0] = h0.view(torch.int32).to(torch.int64) & 0xFFFFFFFF
+        exchange[1] = -1 << 32
+    else:
+        exchange = torch.empty((2, num_directions, batch, hidden), dtype=torch.float32, device=xw.device)
+        exchange[0] = h0
     counter = torch.zeros((num_directions, n_tiles), dtype=torch.int32, device=xw.device)
     _lstm_recurrence_kernel[grid](
         xw, w_hh, out, exchange, h0, c0, h_n, c_n, row_start, lengths, counter,
         batch, hidden, row_step, n_tiles,
         NUM_DIRECTIONS=num_directions, K=k, BLOCK_B=config.block_b, BLOCK_H=block_h,
         UNITS=block_h // k, MATVEC=config.matvec, SYNC=config.sync, PREFETCH=config.prefetch,
+        # one vote per register of four entries where every thread holds a multiple of four
+        VOTE_PACK=4 if config.block_b * block_h >= 4 * 32 * config.num_warps else 1,
         num_warps=config.num_warps,
     )
