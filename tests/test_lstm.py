@@ -9,7 +9,7 @@ from torch.nn.utils.rnn import pack_padded_sequence, pad_packed_sequence
 from packed_kernels import Packed, PersistentLSTM, pack, runtime, unpack
 from packed_kernels.lstm.naive_numpy import lstm_layer_numpy
 from packed_kernels.lstm.padded_torch import lstm_weights, padded_lstm
-from packed_kernels.lstm.triton_kernels import RecurrenceConfig, choose_config
+from packed_kernels.lstm.triton_kernels import RecurrenceConfig, choose_config, input_projection
 
 from assertions import assert_close
 
@@ -219,7 +219,8 @@ def test_persistent_packed_zero_length_and_empty(device):
 # The kernel's configurations that the interpreter can run
 
 
-@pytest.mark.parametrize("matvec,block_b,prefetch", [(0, 2, 1), (1, 4, 2), (2, 1, 1), (2, 8, 2), (3, 16, 2)],
+@pytest.mark.parametrize("matvec,block_b,prefetch", [(0, 2, 1), (1, 4, 2), (2, 1, 1), (2, 8, 2), (3, 16, 2),
+                                                     (4, 1, 2), (4, 4, 1)],
                          ids=lambda v: str(v))
 def test_single_program_configurations(device, matvec, block_b, prefetch):
     lstm = make_lstm(5, 24, 1, True, device=device)
@@ -234,12 +235,33 @@ def test_single_program_configurations(device, matvec, block_b, prefetch):
     assert_close("c_n", c, c_ref, atol=ATOL, rtol=RTOL)
 
 
+@pytest.mark.parametrize("M,K,N,bias,row_stride", [(7, 60, 1024, True, 60), (300, 256, 512, False, 256),
+                                                     (129, 33, 130, True, 40), (1, 1, 16, True, 1),
+                                                     (0, 8, 16, True, 8), (3, 0, 16, True, 0), (3, 0, 16, False, 0)],
+                         ids=lambda v: str(v))
+def test_input_projection_matches_float64(device, M, K, N, bias, row_stride):
+    """tf32x3 on tensor cores: as accurate as a float32 product (against float64)."""
+    g = torch.Generator().manual_seed(M * 7 + K)
+    x = torch.randn(M, max(row_stride, K), generator=g).to(device)[:, :K]  # row stride >= K, unit columns
+    w = torch.randn(N, K, generator=g).to(device)
+    b = torch.randn(N, generator=g).to(device) if bias else None
+    y = input_projection(x, w, b)
+    ref = x.double() @ w.double().T + (b.double() if bias else 0)
+    fp32 = x @ w.T + (b if bias else 0)
+    assert y.shape == (M, N) and y.dtype == torch.float32
+    if M and N:
+        err, err_fp32 = (y.double() - ref).abs().max().item(), (fp32.double() - ref).abs().max().item()
+        assert err <= 4 * err_fp32 + 1e-6, (err, err_fp32)
+
+
 def test_configuration_checks(device):
     lstm = make_lstm(3, 16, 1, False, device=device)
     x = torch.randn(2, 3, 3, device=device)
     with torch.no_grad():
         with pytest.raises(ValueError, match="block_b < 16"):
             PersistentLSTM.from_torch(lstm, RecurrenceConfig(1, 16, 2, 0))(x)
+        with pytest.raises(ValueError, match="matvec=4 needs block_b < 16"):
+            PersistentLSTM.from_torch(lstm, RecurrenceConfig(1, 16, 4, 0))(x)
         with pytest.raises(ValueError, match="needs sync 1"):
             PersistentLSTM.from_torch(lstm, RecurrenceConfig(2, 2, 0, 0))(x)
         with pytest.raises(ValueError, match="needs sync 0 or 1"):
@@ -390,7 +412,9 @@ def test_cooperative_default_configuration_repeated(B, H):
      (16, 3, 4, 2, 1, 16),
      # step-tagged words; one row of 64 units over 4 or 8 warps holds every word in several threads
      (16, 0, 4, 1, 2, 2), (16, 1, 4, 1, 2, 16), (16, 2, 4, 2, 2, 1), (32, 2, 8, 2, 2, 1), (32, 2, 4, 1, 2, 4),
-     (8, 2, 2, 2, 2, 2), (16, 3, 4, 2, 2, 16)],
+     (8, 2, 2, 2, 2, 2), (16, 3, 4, 2, 2, 16),
+     # the four gates as one product, with either wait
+     (16, 4, 4, 2, 2, 1), (32, 4, 8, 2, 2, 1), (32, 4, 8, 1, 2, 2), (8, 4, 2, 2, 2, 2), (16, 4, 4, 1, 1, 4)],
     ids=lambda v: str(v))
 def test_cooperative_variants(units, matvec, num_warps, prefetch, sync, block_b):
     lstm = make_lstm(13, 64, 2, True, device="cuda")
@@ -416,6 +440,7 @@ def test_cooperative_grid_never_exceeds_the_sm_count():
             for D in (1, 2):
                 cfg = choose_config(B, H, D, torch.device("cuda"))
                 assert cfg.sync == (0 if cfg.programs_per_tile == 1 else 1 if cfg.matvec == 3 else 2), cfg
+                assert cfg.matvec in (3, 4), cfg
                 per_launch = min(-(-B // cfg.block_b), sms // (D * cfg.programs_per_tile))
                 assert cfg.programs_per_tile * per_launch * D <= sms, (B, H, D, cfg)
     lstm = make_lstm(3, 128, 1, True, device="cuda")
