@@ -198,10 +198,10 @@ def _lstm_recurrence_kernel(
     ``out`` ``(N, D * H)``, ``h0``/``c0``/``hn``/``cn`` ``(D, B, H)``; frame ``t`` of
     sequence ``b`` is row ``row_start[b] + t * row_step``. ``exchange`` is ``(2, D, B,
     H)``, slot 0 holding ``h0``: float32, or with ``SYNC`` 2 int64 words tagged with
-    their step (``h0`` step 0, slot 1 step -1); ``counter`` ``(D, n_tiles)`` int32 zeros
-    (``SYNC`` 1: the step counter of each direction and tile). Program ``(k, tile,
-    d)`` owns units ``[k UNITS, (k + 1) UNITS)`` of rows ``[tile BLOCK_B, (tile
-    + 1) BLOCK_B)`` in direction ``d``.
+    their step (``h0`` step 0, slot 1 step -1); ``counter``, read with ``SYNC`` 1 only,
+    ``(D, n_tiles)`` int32 zeros: the step counter of each direction and tile. Program
+    ``(k, tile, d)`` owns units ``[k UNITS, (k + 1) UNITS)`` of rows ``[tile BLOCK_B,
+    (tile + 1) BLOCK_B)`` in direction ``d``.
     """
     k = tl.program_id(0)
     tile = tl.program_id(1)
@@ -245,19 +245,18 @@ def _lstm_recurrence_kernel(
         y_i, y_f, y_g, y_o = _load_step_inputs(xw_ptr, row_start, lengths, 1, d, H, units, mask_units,
                                                row_step, NUM_DIRECTIONS)
     for s in range(0, n_steps):
+        # h_{s-1} of the whole tile, as written by all K programs: slot s % 2.
+        read_slot = exchange_ptr + (s % 2) * slot_size + full
         if SYNC == 2:
             # Each entry is (step << 32) | float bits, one 64-bit word: a reader sees the
             # value and its step together. Poll until every entry of the tile is step s.
-            word = exchange_ptr + (s % 2) * slot_size + full
-            packed = tl.load(word, mask=mask_full, other=0, volatile=True)
+            packed = tl.load(read_slot, mask=mask_full, other=0, volatile=True)
             while _any_stale((mask_full & ((packed >> 32).to(tl.int32) != s)).to(tl.int8), VOTE_PACK) > 0:
-                packed = tl.load(word, mask=mask_full, other=0, volatile=True)
+                packed = tl.load(read_slot, mask=mask_full, other=0, volatile=True)
             h = packed.to(tl.int32).to(tl.float32, bitcast=True)  # the low 32 bits
         else:
-            # h_{s-1} of the whole tile, as written by all K programs. .cg reads L2, never a
-            # stale L1 line from an earlier step.
-            h = tl.load(exchange_ptr + (s % 2) * slot_size + full, mask=mask_full, other=0.0,
-                        cache_modifier=".cg")
+            # .cg reads L2, never a stale L1 line from an earlier step.
+            h = tl.load(read_slot, mask=mask_full, other=0.0, cache_modifier=".cg")
         if K == 1 and MATVEC != 4:
             # Nothing is held across steps: the whole W_hh is re-read (from cache) each step.
             w_i = _load_gate_weight(w_hh_ptr, d, 0, H, units, cols, mask_units, mask_cols, MATVEC)
@@ -292,11 +291,12 @@ def _lstm_recurrence_kernel(
         h_own = tl.where(active[:, None], h_new, h_own)
 
         if SYNC == 2:
-            word = h_own.to(tl.uint32, bitcast=True).to(tl.int64) | ((tl.zeros((), tl.int64) + s + 1) << 32)
-            tl.store(exchange_ptr + ((s + 1) % 2) * slot_size + own, word, mask=mask_own)
+            shared = h_own.to(tl.uint32, bitcast=True).to(tl.int64) | ((tl.zeros((), tl.int64) + s + 1) << 32)
         else:
-            tl.store(exchange_ptr + ((s + 1) % 2) * slot_size + own, h_own, mask=mask_own)
-        # Later steps' inputs do not depend on h: their loads (from DRAM) overlap the wait below.
+            shared = h_own
+        tl.store(exchange_ptr + ((s + 1) % 2) * slot_size + own, shared, mask=mask_own)
+        # Later steps' inputs do not depend on h: their loads (from DRAM) overlap the wait
+        # for the other programs' h (below, or at the top of the next step with SYNC 2).
         if PREFETCH == 2:
             x_i, x_f, x_g, x_o = y_i, y_f, y_g, y_o
             y_i, y_f, y_g, y_o = _load_step_inputs(xw_ptr, row_start, lengths, s + 2, d, H, units,
@@ -572,7 +572,10 @@ def _launch(xw, w_hh, h0, c0, row_start, lengths, row_step, out, h_n, c_n, confi
     else:
         exchange = torch.empty((2, num_directions, batch, hidden), dtype=torch.float32, device=xw.device)
         exchange[0] = h0
-    counter = torch.zeros((num_directions, n_tiles), dtype=torch.int32, device=xw.device)
+    if config.sync == 1:
+        counter = torch.zeros((num_directions, n_tiles), dtype=torch.int32, device=xw.device)
+    else:
+        counter = exchange  # not read: any pointer will do
     _lstm_recurrence_kernel[grid](
         xw, w_hh, out, exchange, h0, c0, h_n, c_n, row_start, lengths, counter,
         batch, hidden, row_step, n_tiles,
