@@ -219,14 +219,17 @@ def test_persistent_packed_zero_length_and_empty(device):
 # The kernel's configurations that the interpreter can run
 
 
-@pytest.mark.parametrize("matvec,block_b,prefetch", [(0, 2, 1), (1, 4, 2), (2, 1, 1), (2, 8, 2), (3, 16, 2),
-                                                     (4, 1, 2), (4, 4, 1)],
+@pytest.mark.parametrize("matvec,block_b,prefetch,l2_prefetch",
+                         [(0, 2, 1, None), (1, 4, 2, None), (2, 1, 1, None), (2, 8, 2, None), (3, 16, 2, None),
+                          (4, 1, 2, None), (4, 4, 1, None),
+                          # L2 prefetch of later steps' inputs (GPU only: ignored by the interpreter)
+                          (4, 1, 2, 8), (0, 2, 1, 3)],
                          ids=lambda v: str(v))
-def test_single_program_configurations(device, matvec, block_b, prefetch):
+def test_single_program_configurations(device, matvec, block_b, prefetch, l2_prefetch):
     lstm = make_lstm(5, 24, 1, True, device=device)
     lengths = torch.tensor([6, 2, 5], device=device)
     padded = torch.randn(3, 6, 5, device=device)
-    config = RecurrenceConfig(1, block_b, matvec, 0, 4, prefetch=prefetch)
+    config = RecurrenceConfig(1, block_b, matvec, 0, 4, prefetch=prefetch, l2_prefetch=l2_prefetch)
     with torch.no_grad():
         out, (h, c) = PersistentLSTM.from_torch(lstm, config)(pack(padded, lengths))
         ref, (h_ref, c_ref) = packed_reference(lstm, padded, lengths)
@@ -270,6 +273,8 @@ def test_configuration_checks(device):
             PersistentLSTM.from_torch(lstm, RecurrenceConfig(2, 2, 0, 3))(x)
         with pytest.raises(ValueError, match="must divide"):
             PersistentLSTM.from_torch(lstm, RecurrenceConfig(3, 2, 0, 1))(x)
+        with pytest.raises(ValueError, match="l2_prefetch"):
+            PersistentLSTM.from_torch(lstm, RecurrenceConfig(1, 2, 0, 0, l2_prefetch=-1))(x)
     config = choose_config(37, 128, 2, torch.device(device))
     if runtime.INTERPRETED:
         assert config.programs_per_tile == 1 and config.sync == 0
@@ -428,6 +433,40 @@ def test_cooperative_variants(units, matvec, num_warps, prefetch, sync, block_b)
             assert_close(f"y (run {run})", out.data, ref, atol=ATOL, rtol=RTOL)
             assert_close(f"h_n (run {run})", h, h_ref, atol=ATOL, rtol=RTOL)
             assert_close(f"c_n (run {run})", c, c_ref, atol=ATOL, rtol=RTOL)
+
+
+@gpu_only
+@pytest.mark.parametrize("config", [RecurrenceConfig(2, 1, 4, 2, 8, prefetch=2, l2_prefetch=8),
+                                    RecurrenceConfig(2, 2, 4, 2, 8, l2_prefetch=1, fast_math=False),
+                                    RecurrenceConfig(4, 2, 0, 1, 4, l2_prefetch=3),
+                                    RecurrenceConfig(4, 16, 3, 1, 4, l2_prefetch=8, fast_math=True),
+                                    RecurrenceConfig(1, 4, 4, 0, 4, l2_prefetch=2, fast_math=True)],
+                         ids=lambda c: f"K{c.programs_per_tile}-b{c.block_b}-mv{c.matvec}-l2{c.l2_prefetch}"
+                                       f"-fast{c.fast_math}")
+def test_l2_prefetch_and_fast_gates(config):
+    """Prefetching into L2 is only a hint, and the single-instruction gate arithmetic
+    stays within 1e-5: same results, including for sequences shorter than the
+    look-ahead and a hidden size that leaves masked units."""
+    lstm = make_lstm(13, 40, 2, True, device="cuda")
+    lengths = torch.tensor([30, 17, 1, 9, 5, 2, 11], device="cuda")
+    padded = torch.randn(7, 30, 13, device="cuda")
+    model = PersistentLSTM.from_torch(lstm, config)
+    with torch.no_grad():
+        ref, (h_ref, c_ref) = packed_reference(lstm, padded, lengths)
+        for run in range(3):
+            out, (h, c) = model(pack(padded, lengths))
+            assert_close(f"y (run {run})", out.data, ref, atol=ATOL, rtol=RTOL)
+            assert_close(f"h_n (run {run})", h, h_ref, atol=ATOL, rtol=RTOL)
+            assert_close(f"c_n (run {run})", c, c_ref, atol=ATOL, rtol=RTOL)
+        out, (h, c) = model(padded)
+        ref, (h_ref, c_ref) = lstm(padded)
+        assert_close("y (padded)", out, ref, atol=ATOL, rtol=RTOL)
+        assert_close("h_n (padded)", h, h_ref, atol=ATOL, rtol=RTOL)
+        # saturated gates: e^z overflows and underflows in every step
+        out, (h, c) = model(padded * 300)
+        ref, (h_ref, c_ref) = lstm(padded * 300)
+    assert_close("y (saturated)", out, ref, atol=ATOL, rtol=RTOL)
+    assert_close("c_n (saturated)", c, c_ref, atol=ATOL, rtol=RTOL)
 
 
 @gpu_only
