@@ -505,15 +505,20 @@ def test_batch_larger_than_one_launch_runs_in_several():
 
 
 @gpu_only
-def test_large_batch_default_runs_on_tensor_cores_in_one_launch():
-    """Hidden 128 at batch 128: the default is one launch of 16-row tensor-core programs
-    (tf32x3); it must match cuDNN in float32 to the same tolerance, run after run."""
-    cfg = choose_config(128, 128, 2, torch.device("cuda"))
-    assert cfg.matvec == 3 and cfg.block_b == 16, cfg
+@pytest.mark.parametrize("batch", [128, 256])
+def test_large_batch_defaults(batch):
+    """Hidden 128: batch 128 runs two launches of the CUDA-core sums, batch 256 one launch
+    of 16-row tensor-core programs (tf32x3); both must match cuDNN in float32 to the same
+    tolerance, run after run."""
+    cfg = choose_config(batch, 128, 2, torch.device("cuda"))
+    if batch == 256:
+        assert cfg.matvec == 3 and cfg.block_b == 16, cfg
+    else:
+        assert cfg.matvec == 4 and cfg.block_b == 2 and cfg.programs_per_tile == 2, cfg
     lstm = make_lstm(60, 128, 2, True, device="cuda")
-    lengths = torch.randint(1, 41, (128,), generator=torch.Generator().manual_seed(5)).cuda()
+    lengths = torch.randint(1, 41, (batch,), generator=torch.Generator().manual_seed(5)).cuda()
     lengths[0] = 40
-    padded = torch.randn(128, 40, 60, device="cuda")
+    padded = torch.randn(batch, 40, 60, device="cuda")
     model = PersistentLSTM.from_torch(lstm)
     with torch.no_grad():
         ref, (h_ref, c_ref) = packed_reference(lstm, padded, lengths)

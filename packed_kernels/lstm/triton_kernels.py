@@ -459,16 +459,16 @@ def choose_config(batch: int, hidden: int, num_directions: int, device: torch.de
 
     On the GPU each launch is filled up to the SM count: ``K`` programs per
     (direction, batch tile), as many tiles as fit. Per-program work is ``block_b x
-    units x H`` multiply-adds per gate and step; beyond about 128 per thread the sums
-    no longer stay in registers and time climbs steeply, so a batch that needs more
-    rows per program than that runs as several launches. Slices of 16, 32 or 64
-    units (64 with 8 warps, at hidden sizes up to 128). Among the splits, the fewest
-    launches, then the least work per thread, then (measured on an H200) fewer
-    programs per exchange for H <= 128 and the smaller weight slice for larger H.
-    The tensor-core product (``matvec`` 3, 16 rows per program) measured slower than
-    these CUDA-core sums where they fit in one launch with little work per thread;
-    where they need several launches, or the full 128 multiply-adds per thread
-    (hidden size up to 128), one launch of it is used instead. The CUDA-core
+    units x H`` multiply-adds per gate and step; beyond 64 per thread (cooperating
+    programs, hidden sizes up to 128) or 128 the sums no longer stay in registers and time climbs
+    steeply, so a batch that needs more rows per program than that runs as several
+    launches. Slices of 16, 32 or 64 units (64 with 8 warps, at hidden sizes up to
+    128). Among the splits, the fewest launches, then the least work per thread, then
+    (measured on an H200) fewer programs per exchange for H <= 128 and the smaller
+    weight slice for larger H. The tensor-core product (``matvec`` 3, 16 rows per
+    program) measured slower than these CUDA-core sums in one or two launches; where
+    they need more, or the full 128 multiply-adds per thread (hidden size up to 128),
+    one launch of it is used instead. The CUDA-core
     configurations compute the four gates as one product (``matvec`` 4: measured 4% to
     27% faster than gate by gate at 589 frames, for every shape tried) and wait on
     step-tagged words (``sync`` 2); the tensor-core one waits on the step counter
@@ -490,8 +490,12 @@ def choose_config(batch: int, hidden: int, num_directions: int, device: torch.de
         k = block_h // units
         if num_directions * k > sms:
             continue
-        largest = 8  # rows per program: the most that keeps the work per thread <= 128
-        while largest > 1 and largest * units * block_h // threads > 128:
+        # rows per program: the most that keeps the work per thread within the limit
+        # (H200, hidden 128, batch 128: 4 rows of 64 units over 8 warps, 128 multiply-adds
+        # a thread, took 122 ms; 2 rows in two launches 9.2 ms)
+        limit = 64 if block_h <= 128 and k > 1 else 128
+        largest = 8
+        while largest > 1 and largest * units * block_h // threads > limit:
             largest //= 2
         if k == 1:
             tiles = runtime.cdiv(batch, largest)  # no waits: any number of tiles in one launch
@@ -507,13 +511,15 @@ def choose_config(batch: int, hidden: int, num_directions: int, device: torch.de
     if best is None:
         raise ValueError(f"hidden_size={hidden} is too large for the persistent kernels (at most {MAX_HIDDEN})")
     launches, work = best[0][:2]
-    if block_h <= 128 and (launches > 1 or work >= 128):
-        # Many rows per program: 16 rows per program on the tensor cores (tf32x3) in one
-        # launch beat the CUDA-core sums (H200, hidden 128, batch 128: 13.0 ms, against
-        # about 15 ms for one launch of 4 rows per program and 17.3 ms for two launches);
-        # at hidden 256 the weight slice outgrows shared memory. With 16 rows a thread
-        # holds 16 words of h: voting on them (``sync`` 2) cost more than the step
-        # counter (14.6 against 13.0 ms at batch 128, 17.5 against 15.9 at 256).
+    if block_h <= 128 and (launches > 2 or work >= 128):
+        # Many rows: 16 rows per program on the tensor cores (tf32x3), in one launch,
+        # instead of three or more launches of the CUDA-core sums, or of programs that
+        # each run a whole recurrence alone with 128 multiply-adds a thread. Two launches
+        # of the sums beat them (H200, hidden 128, batch 128: 9.2 against 11.4 ms); at
+        # hidden 256 the weight slice outgrows shared memory.
+        # With 16 rows a thread holds 16 words of h: voting on them (``sync`` 2) cost
+        # more than the step counter (14.6 against 13.0 ms at batch 128, 17.5 against
+        # 15.9 at 256, measured before the CUDA-core sums took batch 128).
         k = max(block_h // 32, 1)
         tiles = sms // (num_directions * k)
         if tiles >= 1 and runtime.cdiv(batch, tiles * 16) <= launches:
