@@ -19,8 +19,9 @@ State = Tuple[torch.Tensor, torch.Tensor]
 #: Input widths from which a layer's input projection runs as three TF32 products on
 #: tensor cores (:func:`input_projection`) rather than cuBLAS's float32 product, which
 #: does not use them. Measured on an H200 (1,024 outputs, 18,848 to 150,784 rows): 27%
-#: to 32% faster at 128 and 256 inputs, about twice as slow at 60 (a short reduction
-#: padded to 64, three products where cuBLAS does one).
+#: to 32% faster at 128 and 256 inputs, about twice as slow at 60 (rows of 60 floats
+#: defeat the kernel's wide loads; a copy padded to 64 columns measured 73 against
+#: cuBLAS's 83 µs at 18,848 rows, too little to be worth the copy).
 TENSOR_CORE_PROJECTION_MIN_K = 128
 
 
