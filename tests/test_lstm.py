@@ -32,6 +32,19 @@ def packed_reference(lstm, padded, lengths, hx=None):
     return pack(out_padded, lengths).data, state
 
 
+def assert_runs_match(model, lstm, padded, lengths, runs, before_run=None):
+    """``runs`` calls of ``model`` on the packed batch, every output against ``nn.LSTM``."""
+    ref, (h_ref, c_ref) = packed_reference(lstm, padded, lengths)
+    packed = pack(padded, lengths)
+    for run in range(runs):
+        if before_run is not None:
+            before_run()
+        out, (h, c) = model(packed)
+        assert_close(f"y (run {run})", out.data, ref, atol=ATOL, rtol=RTOL)
+        assert_close(f"h_n (run {run})", h, h_ref, atol=ATOL, rtol=RTOL)
+        assert_close(f"c_n (run {run})", c, c_ref, atol=ATOL, rtol=RTOL)
+
+
 # ----------------------------------------------------------------------------------------
 # The NumPy stage
 
@@ -395,18 +408,15 @@ def test_cooperative_default_configuration_repeated(B, H):
     lengths = torch.randint(1, 97, (B,), generator=torch.Generator().manual_seed(B)).cuda()
     lengths[0] = 96
     padded = torch.randn(B, 96, 60, device="cuda")
-    packed = pack(padded, lengths)
+    busy = torch.randn(2048, 2048, device="cuda")
+
+    def load():
+        side = torch.cuda.Stream()
+        with torch.cuda.stream(side):
+            busy @ busy  # other work in flight on the GPU at the same time
+
     with torch.no_grad():
-        ref, (h_ref, c_ref) = packed_reference(lstm, padded, lengths)
-        busy = torch.randn(2048, 2048, device="cuda")
-        for run in range(10):
-            side = torch.cuda.Stream()
-            with torch.cuda.stream(side):
-                busy @ busy  # other work in flight on the GPU at the same time
-            out, (h, c) = model(packed)
-            assert_close(f"y (run {run})", out.data, ref, atol=ATOL, rtol=RTOL)
-            assert_close(f"h_n (run {run})", h, h_ref, atol=ATOL, rtol=RTOL)
-            assert_close(f"c_n (run {run})", c, c_ref, atol=ATOL, rtol=RTOL)
+        assert_runs_match(model, lstm, padded, lengths, 10, before_run=load)
         torch.cuda.synchronize()
 
 
@@ -427,12 +437,7 @@ def test_cooperative_variants(units, matvec, num_warps, prefetch, sync, block_b)
     padded = torch.randn(7, 30, 13, device="cuda")
     config = RecurrenceConfig(64 // units, block_b, matvec, sync, num_warps, prefetch=prefetch)
     with torch.no_grad():
-        ref, (h_ref, c_ref) = packed_reference(lstm, padded, lengths)
-        for run in range(5):
-            out, (h, c) = PersistentLSTM.from_torch(lstm, config)(pack(padded, lengths))
-            assert_close(f"y (run {run})", out.data, ref, atol=ATOL, rtol=RTOL)
-            assert_close(f"h_n (run {run})", h, h_ref, atol=ATOL, rtol=RTOL)
-            assert_close(f"c_n (run {run})", c, c_ref, atol=ATOL, rtol=RTOL)
+        assert_runs_match(PersistentLSTM.from_torch(lstm, config), lstm, padded, lengths, 5)
 
 
 @gpu_only
@@ -452,12 +457,7 @@ def test_l2_prefetch_and_fast_gates(config):
     padded = torch.randn(7, 30, 13, device="cuda")
     model = PersistentLSTM.from_torch(lstm, config)
     with torch.no_grad():
-        ref, (h_ref, c_ref) = packed_reference(lstm, padded, lengths)
-        for run in range(3):
-            out, (h, c) = model(pack(padded, lengths))
-            assert_close(f"y (run {run})", out.data, ref, atol=ATOL, rtol=RTOL)
-            assert_close(f"h_n (run {run})", h, h_ref, atol=ATOL, rtol=RTOL)
-            assert_close(f"c_n (run {run})", c, c_ref, atol=ATOL, rtol=RTOL)
+        assert_runs_match(model, lstm, padded, lengths, 3)
         out, (h, c) = model(padded)
         ref, (h_ref, c_ref) = lstm(padded)
         assert_close("y (padded)", out, ref, atol=ATOL, rtol=RTOL)
@@ -521,11 +521,6 @@ def test_large_batch_defaults(batch):
     padded = torch.randn(batch, 40, 60, device="cuda")
     model = PersistentLSTM.from_torch(lstm)
     with torch.no_grad():
-        ref, (h_ref, c_ref) = packed_reference(lstm, padded, lengths)
-        for run in range(5):
-            out, (h, c) = model(pack(padded, lengths))
-            assert_close(f"y (run {run})", out.data, ref, atol=ATOL, rtol=RTOL)
-            assert_close(f"h_n (run {run})", h, h_ref, atol=ATOL, rtol=RTOL)
-            assert_close(f"c_n (run {run})", c, c_ref, atol=ATOL, rtol=RTOL)
+        assert_runs_match(model, lstm, padded, lengths, 5)
         y = model(padded)[0]
         assert_close("padded y", y, lstm(padded)[0], atol=ATOL, rtol=RTOL)
