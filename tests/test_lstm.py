@@ -232,17 +232,20 @@ def test_persistent_packed_zero_length_and_empty(device):
 # The kernel's configurations that the interpreter can run
 
 
-@pytest.mark.parametrize("matvec,block_b,prefetch,l2_prefetch",
-                         [(0, 2, 1, None), (1, 4, 2, None), (2, 1, 1, None), (2, 8, 2, None), (3, 16, 2, None),
-                          (4, 1, 2, None), (4, 4, 1, None),
+@pytest.mark.parametrize("matvec,block_b,prefetch,l2_prefetch,sub_tiles",
+                         [(0, 2, 1, None, 1), (1, 4, 2, None, 1), (2, 1, 1, None, 1), (2, 8, 2, None, 1),
+                          (3, 16, 2, None, 1), (4, 1, 2, None, 1), (4, 4, 1, None, 1),
                           # L2 prefetch of later steps' inputs (GPU only: ignored by the interpreter)
-                          (4, 1, 2, 8), (0, 2, 1, 3)],
+                          (4, 1, 2, 8, 1), (0, 2, 1, 3, 1),
+                          # several tiles per program, one after another
+                          (4, 1, 2, None, 2), (4, 1, 1, None, 4), (0, 2, 2, None, 3), (3, 16, 1, None, 2)],
                          ids=lambda v: str(v))
-def test_single_program_configurations(device, matvec, block_b, prefetch, l2_prefetch):
+def test_single_program_configurations(device, matvec, block_b, prefetch, l2_prefetch, sub_tiles):
     lstm = make_lstm(5, 24, 1, True, device=device)
     lengths = torch.tensor([6, 2, 5], device=device)
     padded = torch.randn(3, 6, 5, device=device)
-    config = RecurrenceConfig(1, block_b, matvec, 0, 4, prefetch=prefetch, l2_prefetch=l2_prefetch)
+    config = RecurrenceConfig(1, block_b, matvec, 0, 4, prefetch=prefetch, l2_prefetch=l2_prefetch,
+                              sub_tiles=sub_tiles)
     with torch.no_grad():
         out, (h, c) = PersistentLSTM.from_torch(lstm, config)(pack(padded, lengths))
         ref, (h_ref, c_ref) = packed_reference(lstm, padded, lengths)
@@ -288,6 +291,8 @@ def test_configuration_checks(device):
             PersistentLSTM.from_torch(lstm, RecurrenceConfig(3, 2, 0, 1))(x)
         with pytest.raises(ValueError, match="l2_prefetch"):
             PersistentLSTM.from_torch(lstm, RecurrenceConfig(1, 2, 0, 0, l2_prefetch=-1))(x)
+        with pytest.raises(ValueError, match="sub_tiles"):
+            PersistentLSTM.from_torch(lstm, RecurrenceConfig(1, 2, 0, 0, sub_tiles=0))(x)
     config = choose_config(37, 128, 2, torch.device(device))
     if runtime.INTERPRETED:
         assert config.programs_per_tile == 1 and config.sync == 0
@@ -445,13 +450,18 @@ def test_cooperative_variants(units, matvec, num_warps, prefetch, sync, block_b)
                                     RecurrenceConfig(2, 2, 4, 2, 8, l2_prefetch=1, fast_math=False),
                                     RecurrenceConfig(4, 2, 0, 1, 4, l2_prefetch=3),
                                     RecurrenceConfig(4, 16, 3, 1, 4, l2_prefetch=8, fast_math=True),
-                                    RecurrenceConfig(1, 4, 4, 0, 4, l2_prefetch=2, fast_math=True)],
+                                    RecurrenceConfig(1, 4, 4, 0, 4, l2_prefetch=2, fast_math=True),
+                                    RecurrenceConfig(2, 1, 4, 2, 8, prefetch=2, l2_prefetch=8, sub_tiles=4),
+                                    RecurrenceConfig(2, 2, 4, 2, 8, sub_tiles=3),
+                                    RecurrenceConfig(4, 2, 0, 1, 4, sub_tiles=2),
+                                    RecurrenceConfig(4, 16, 3, 1, 4, sub_tiles=2)],
                          ids=lambda c: f"K{c.programs_per_tile}-b{c.block_b}-mv{c.matvec}-l2{c.l2_prefetch}"
-                                       f"-fast{c.fast_math}")
-def test_l2_prefetch_and_fast_gates(config):
-    """Prefetching into L2 is only a hint, and the single-instruction gate arithmetic
-    stays within 1e-5: same results, including for sequences shorter than the
-    look-ahead and a hidden size that leaves masked units."""
+                                       f"-fast{c.fast_math}-sub{c.sub_tiles}")
+def test_cooperative_options(config):
+    """Prefetching into L2 is only a hint, the single-instruction gate arithmetic stays
+    within 1e-5, and tiles run one after another by a program wait on their own words:
+    same results, including for sequences shorter than the look-ahead, a hidden size
+    that leaves masked units, and sub-tiles past the last sequence."""
     lstm = make_lstm(13, 40, 2, True, device="cuda")
     lengths = torch.tensor([30, 17, 1, 9, 5, 2, 11], device="cuda")
     padded = torch.randn(7, 30, 13, device="cuda")
@@ -480,7 +490,7 @@ def test_cooperative_grid_never_exceeds_the_sm_count():
                 cfg = choose_config(B, H, D, torch.device("cuda"))
                 assert cfg.sync == (0 if cfg.programs_per_tile == 1 else 1 if cfg.matvec == 3 else 2), cfg
                 assert cfg.matvec in (3, 4), cfg
-                per_launch = min(-(-B // cfg.block_b), sms // (D * cfg.programs_per_tile))
+                per_launch = min(-(-B // (cfg.block_b * cfg.sub_tiles)), sms // (D * cfg.programs_per_tile))
                 assert cfg.programs_per_tile * per_launch * D <= sms, (B, H, D, cfg)
     lstm = make_lstm(3, 128, 1, True, device="cuda")
     with torch.no_grad(), pytest.raises(ValueError, match="resident"):
@@ -488,11 +498,12 @@ def test_cooperative_grid_never_exceeds_the_sm_count():
 
 
 @gpu_only
-def test_batch_larger_than_one_launch_runs_in_several():
+@pytest.mark.parametrize("sub_tiles", [1, 3])
+def test_batch_larger_than_one_launch_runs_in_several(sub_tiles):
     """More rows than the GPU can hold cooperating at once: consecutive launches, same result."""
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     lstm = make_lstm(5, 16, 2, True, device="cuda")
-    config = RecurrenceConfig(2, 1, 2, 1)  # sms // 4 rows per launch
+    config = RecurrenceConfig(2, 1, 2, 1, sub_tiles=sub_tiles)  # sub_tiles * sms // 4 rows per launch
     lengths = torch.randint(1, 20, (sms + 7,), generator=torch.Generator().manual_seed(3)).cuda()
     padded = torch.randn(sms + 7, 19, 5, device="cuda")
     hx = (torch.randn(4, sms + 7, 16, device="cuda"), torch.randn(4, sms + 7, 16, device="cuda"))
@@ -507,14 +518,14 @@ def test_batch_larger_than_one_launch_runs_in_several():
 @gpu_only
 @pytest.mark.parametrize("batch", [128, 256])
 def test_large_batch_defaults(batch):
-    """Hidden 128: batch 128 runs two launches of the CUDA-core sums, batch 256 one launch
-    of 16-row tensor-core programs (tf32x3); both must match cuDNN in float32 to the same
-    tolerance, run after run."""
+    """Hidden 128: batch 128 runs one launch of CUDA-core programs with two tiles each,
+    batch 256 one launch of 16-row tensor-core programs (tf32x3); both must match cuDNN
+    in float32 to the same tolerance, run after run."""
     cfg = choose_config(batch, 128, 2, torch.device("cuda"))
     if batch == 256:
         assert cfg.matvec == 3 and cfg.block_b == 16, cfg
     else:
-        assert cfg.matvec == 4 and cfg.block_b == 2 and cfg.programs_per_tile == 2, cfg
+        assert cfg.matvec == 4 and cfg.block_b == 2 and cfg.programs_per_tile == 2 and cfg.sub_tiles == 2, cfg
     lstm = make_lstm(60, 128, 2, True, device="cuda")
     lengths = torch.randint(1, 41, (batch,), generator=torch.Generator().manual_seed(5)).cuda()
     lengths[0] = 40

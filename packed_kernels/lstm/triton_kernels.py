@@ -61,7 +61,7 @@ to the differentiable padded PyTorch stage when a gradient is needed.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Optional
 
 import torch
@@ -194,6 +194,59 @@ def _prefetch_step_inputs(xw_ptr, row_start, lengths, s, d, H, k, row_step,
 
 
 @triton.jit
+def _load_tiles_inputs(xw_ptr, starts_t, lengths_t, s, d, H, units, mask_units, row_step,
+                       NUM_DIRECTIONS: tl.constexpr, SUB_TILES: tl.constexpr):
+    """:func:`_load_step_inputs` of each tile: a tuple of ``(x_i, x_f, x_g, x_o)``."""
+    x_t = ()
+    for r in tl.static_range(SUB_TILES):
+        x_t = x_t + (_load_step_inputs(xw_ptr, starts_t[r], lengths_t[r], s, d, H, units, mask_units,
+                                       row_step, NUM_DIRECTIONS),)
+    return x_t
+
+
+@triton.jit
+def _load_tiles_words(read_slot, full_t, mask_full_t, SUB_TILES: tl.constexpr):
+    """The exchange words of each tile, by volatile loads (served by L2)."""
+    packed_t = ()
+    for r in tl.static_range(SUB_TILES):
+        packed_t = packed_t + (tl.load(read_slot + full_t[r], mask=mask_full_t[r], other=0, volatile=True),)
+    return packed_t
+
+
+@triton.jit
+def _stale_words(packed_t, mask_full_t, s, SUB_TILES: tl.constexpr):
+    """1 (int8) where some tile's word held by this thread is not tagged with step ``s``."""
+    stale = mask_full_t[0] & ((packed_t[0] >> 32).to(tl.int32) != s)
+    for r in tl.static_range(1, SUB_TILES):
+        stale = stale | (mask_full_t[r] & ((packed_t[r] >> 32).to(tl.int32) != s))
+    return stale.to(tl.int8)
+
+
+@triton.jit
+def _cell(h, w_i, w_f, w_g, w_o, x_i, x_f, x_g, x_o, c, BLOCK_B: tl.constexpr, UNITS: tl.constexpr,
+          MATVEC: tl.constexpr, FAST: tl.constexpr):
+    """One step of the cell for a tile: ``(c_t, h_t)`` of its ``(BLOCK_B, UNITS)`` units."""
+    if MATVEC == 4:
+        # One product for the four gates (w_i is the whole (BLOCK_H, UNITS, 4) slice);
+        # (BLOCK_B, UNITS, 4) -> four (BLOCK_B, UNITS).
+        z = tl.sum(h[:, :, None, None] * w_i[None, :, :, :], axis=1)
+        z_ig, z_fo = tl.split(tl.reshape(z, (BLOCK_B, UNITS, 2, 2)))  # gate 2a + b at [a, b]
+        z_i, z_g = tl.split(z_ig)
+        z_f, z_o = tl.split(z_fo)
+        gate_i = _sigmoid(x_i + z_i, FAST)
+        gate_f = _sigmoid(x_f + z_f, FAST)
+        gate_g = _tanh(x_g + z_g, FAST)
+        gate_o = _sigmoid(x_o + z_o, FAST)
+    else:
+        gate_i = _sigmoid(x_i + _gate_matvec(h, w_i, MATVEC), FAST)
+        gate_f = _sigmoid(x_f + _gate_matvec(h, w_f, MATVEC), FAST)
+        gate_g = _tanh(x_g + _gate_matvec(h, w_g, MATVEC), FAST)
+        gate_o = _sigmoid(x_o + _gate_matvec(h, w_o, MATVEC), FAST)
+    c_new = gate_f * c + gate_i * gate_g
+    return c_new, gate_o * _tanh(c_new, FAST)
+
+
+@triton.jit
 def _lstm_recurrence_kernel(
     xw_ptr, w_hh_ptr, out_ptr, exchange_ptr, h0_ptr, c0_ptr, hn_ptr, cn_ptr,
     row_start_ptr, lengths_ptr, counter_ptr,
@@ -201,6 +254,7 @@ def _lstm_recurrence_kernel(
     NUM_DIRECTIONS: tl.constexpr, K: tl.constexpr, BLOCK_B: tl.constexpr,
     BLOCK_H: tl.constexpr, UNITS: tl.constexpr, MATVEC: tl.constexpr, SYNC: tl.constexpr,
     PREFETCH: tl.constexpr, VOTE_PACK: tl.constexpr, L2_AHEAD: tl.constexpr, FAST: tl.constexpr,
+    SUB_TILES: tl.constexpr,
 ):
     """The recurrence of one LSTM layer, all directions, in one launch.
 
@@ -221,29 +275,28 @@ def _lstm_recurrence_kernel(
     H)``, slot 0 holding ``h0``: float32, or with ``SYNC`` 2 int64 words tagged with
     their step (``h0`` step 0, slot 1 step -1); ``counter``, read with ``SYNC`` 1 only,
     ``(D, n_tiles)`` int32 zeros: the step counter of each direction and tile. Program
-    ``(k, tile, d)`` owns units ``[k UNITS, (k + 1) UNITS)`` of rows ``[tile BLOCK_B,
-    (tile + 1) BLOCK_B)`` in direction ``d``.
+    ``(k, tile, d)`` owns units ``[k UNITS, (k + 1) UNITS)`` of rows ``[tile R, (tile +
+    1) R)``, ``R = BLOCK_B SUB_TILES``, in direction ``d``: ``SUB_TILES`` tiles of
+    ``BLOCK_B`` rows, each step computing them one after another.
     """
     k = tl.program_id(0)
     tile = tl.program_id(1)
     d = tl.program_id(2)
 
-    rows = tile * BLOCK_B + tl.arange(0, BLOCK_B)
-    mask_rows = rows < B
     units = k * UNITS + tl.arange(0, UNITS)
     mask_units = units < H
     cols = tl.arange(0, BLOCK_H)
     mask_cols = cols < H
-    lengths = tl.load(lengths_ptr + rows, mask=mask_rows, other=0)
-    row_start = tl.load(row_start_ptr + rows, mask=mask_rows, other=0).to(tl.int64)
-    n_steps = tl.max(lengths, axis=0)  # the tile runs until its longest sequence ends
-
     if MATVEC == 4:
         # All four gates in one (BLOCK_H, UNITS, 4) tensor, from the transposed copy:
         # w4[col, u, gate] = W_hh[d, gate H + units[u], col]. Held for every step.
         gates = tl.arange(0, 4)
         w4 = tl.load(w_hh_ptr + ((d * 4 + gates[None, None, :]) * H + cols[:, None, None]).to(tl.int64) * H
                      + units[None, :, None], mask=mask_cols[:, None, None] & mask_units[None, :, None], other=0.0)
+        w_i = w4  # _cell reads the whole slice from w_i
+        w_f = w4
+        w_g = w4
+        w_o = w4
     elif K > 1:
         # Held in registers for every step: this program's 4 x UNITS rows of W_hh.
         w_i = _load_gate_weight(w_hh_ptr, d, 0, H, units, cols, mask_units, mask_cols, MATVEC)
@@ -251,33 +304,49 @@ def _lstm_recurrence_kernel(
         w_g = _load_gate_weight(w_hh_ptr, d, 2, H, units, cols, mask_units, mask_cols, MATVEC)
         w_o = _load_gate_weight(w_hh_ptr, d, 3, H, units, cols, mask_units, mask_cols, MATVEC)
 
-    own = (d * B + rows)[:, None].to(tl.int64) * H + units[None, :]  # (BLOCK_B, UNITS) in (D, B, H)
-    mask_own = mask_rows[:, None] & mask_units[None, :]
-    h_own = tl.load(h0_ptr + own, mask=mask_own, other=0.0)
-    c = tl.load(c0_ptr + own, mask=mask_own, other=0.0)
-    full = (d * B + rows)[:, None].to(tl.int64) * H + cols[None, :]  # (BLOCK_B, BLOCK_H)
-    mask_full = mask_rows[:, None] & mask_cols[None, :]
+    # The program's SUB_TILES tiles of BLOCK_B rows, each its own tuple entry: a step
+    # runs them one after another, so registers hold one tile's product at a time.
+    lengths_t = ()
+    starts_t = ()
+    own_t = ()  # (BLOCK_B, UNITS) offsets in (D, B, H)
+    full_t = ()  # (BLOCK_B, BLOCK_H) offsets in (D, B, H)
+    mask_own_t = ()
+    mask_full_t = ()
+    h_own_t = ()
+    c_t = ()
+    n_steps = 0  # the program runs until its longest sequence ends
+    for r in tl.static_range(SUB_TILES):
+        rows = (tile * SUB_TILES + r) * BLOCK_B + tl.arange(0, BLOCK_B)
+        mask_rows = rows < B
+        lengths = tl.load(lengths_ptr + rows, mask=mask_rows, other=0)
+        n_steps = tl.maximum(n_steps, tl.max(lengths, axis=0))
+        own = (d * B + rows)[:, None].to(tl.int64) * H + units[None, :]
+        mask_own = mask_rows[:, None] & mask_units[None, :]
+        lengths_t = lengths_t + (lengths,)
+        starts_t = starts_t + (tl.load(row_start_ptr + rows, mask=mask_rows, other=0).to(tl.int64),)
+        own_t = own_t + (own,)
+        mask_own_t = mask_own_t + (mask_own,)
+        full_t = full_t + ((d * B + rows)[:, None].to(tl.int64) * H + cols[None, :],)
+        mask_full_t = mask_full_t + (mask_rows[:, None] & mask_cols[None, :],)
+        h_own_t = h_own_t + (tl.load(h0_ptr + own, mask=mask_own, other=0.0),)
+        c_t = c_t + (tl.load(c0_ptr + own, mask=mask_own, other=0.0),)
     slot_size = NUM_DIRECTIONS * B * H
     counter = counter_ptr + d * n_tiles + tile
 
-    x_i, x_f, x_g, x_o = _load_step_inputs(xw_ptr, row_start, lengths, 0, d, H, units, mask_units,
-                                           row_step, NUM_DIRECTIONS)
+    x_t = _load_tiles_inputs(xw_ptr, starts_t, lengths_t, 0, d, H, units, mask_units, row_step,
+                             NUM_DIRECTIONS, SUB_TILES)
     if PREFETCH == 2:
-        y_i, y_f, y_g, y_o = _load_step_inputs(xw_ptr, row_start, lengths, 1, d, H, units, mask_units,
-                                               row_step, NUM_DIRECTIONS)
+        y_t = _load_tiles_inputs(xw_ptr, starts_t, lengths_t, 1, d, H, units, mask_units, row_step,
+                                 NUM_DIRECTIONS, SUB_TILES)
     for s in range(0, n_steps):
         # h_{s-1} of the whole tile, as written by all K programs: slot s % 2.
-        read_slot = exchange_ptr + (s % 2) * slot_size + full
+        read_slot = exchange_ptr + (s % 2) * slot_size
         if SYNC == 2:
             # Each entry is (step << 32) | float bits, one 64-bit word: a reader sees the
-            # value and its step together. Poll until every entry of the tile is step s.
-            packed = tl.load(read_slot, mask=mask_full, other=0, volatile=True)
-            while _any_stale((mask_full & ((packed >> 32).to(tl.int32) != s)).to(tl.int8), VOTE_PACK) > 0:
-                packed = tl.load(read_slot, mask=mask_full, other=0, volatile=True)
-            h = packed.to(tl.int32).to(tl.float32, bitcast=True)  # the low 32 bits
-        else:
-            # .cg reads L2, never a stale L1 line from an earlier step.
-            h = tl.load(read_slot, mask=mask_full, other=0.0, cache_modifier=".cg")
+            # value and its step together. Poll until every entry of the tiles is step s.
+            packed_t = _load_tiles_words(read_slot, full_t, mask_full_t, SUB_TILES)
+            while _any_stale(_stale_words(packed_t, mask_full_t, s, SUB_TILES), VOTE_PACK) > 0:
+                packed_t = _load_tiles_words(read_slot, full_t, mask_full_t, SUB_TILES)
         if K == 1 and MATVEC != 4:
             # Nothing is held across steps: the whole W_hh is re-read (from cache) each step.
             w_i = _load_gate_weight(w_hh_ptr, d, 0, H, units, cols, mask_units, mask_cols, MATVEC)
@@ -285,51 +354,48 @@ def _lstm_recurrence_kernel(
             w_g = _load_gate_weight(w_hh_ptr, d, 2, H, units, cols, mask_units, mask_cols, MATVEC)
             w_o = _load_gate_weight(w_hh_ptr, d, 3, H, units, cols, mask_units, mask_cols, MATVEC)
 
-        if MATVEC == 4:
-            # One product for the four gates; (BLOCK_B, UNITS, 4) -> four (BLOCK_B, UNITS).
-            z = tl.sum(h[:, :, None, None] * w4[None, :, :, :], axis=1)
-            z_ig, z_fo = tl.split(tl.reshape(z, (BLOCK_B, UNITS, 2, 2)))  # gate 2a + b at [a, b]
-            z_i, z_g = tl.split(z_ig)
-            z_f, z_o = tl.split(z_fo)
-            gate_i = _sigmoid(x_i + z_i, FAST)
-            gate_f = _sigmoid(x_f + z_f, FAST)
-            gate_g = _tanh(x_g + z_g, FAST)
-            gate_o = _sigmoid(x_o + z_o, FAST)
-        else:
-            gate_i = _sigmoid(x_i + _gate_matvec(h, w_i, MATVEC), FAST)
-            gate_f = _sigmoid(x_f + _gate_matvec(h, w_f, MATVEC), FAST)
-            gate_g = _tanh(x_g + _gate_matvec(h, w_g, MATVEC), FAST)
-            gate_o = _sigmoid(x_o + _gate_matvec(h, w_o, MATVEC), FAST)
-        c_new = gate_f * c + gate_i * gate_g
-        h_new = gate_o * _tanh(c_new, FAST)
-
-        active = s < lengths
-        c = tl.where(active[:, None], c_new, c)
-        h_own = tl.where(active[:, None], h_new, h_own)
-        # The exchange first: the other programs wait for it, nothing waits for the output.
-        if SYNC == 2:
-            shared = h_own.to(tl.uint32, bitcast=True).to(tl.int64) | ((tl.zeros((), tl.int64) + s + 1) << 32)
-        else:
-            shared = h_own
-        tl.store(exchange_ptr + ((s + 1) % 2) * slot_size + own, shared, mask=mask_own)
-        t = tl.where(d == 0, s, lengths - 1 - s)
-        out_row = row_start + t.to(tl.int64) * row_step
-        tl.store(out_ptr + out_row[:, None] * (NUM_DIRECTIONS * H) + d * H + units[None, :], h_new,
-                 mask=active[:, None] & mask_units[None, :])
+        new_h_t = ()
+        new_c_t = ()
+        for r in tl.static_range(SUB_TILES):
+            if SYNC == 2:
+                h = packed_t[r].to(tl.int32).to(tl.float32, bitcast=True)  # the low 32 bits
+            else:
+                # .cg reads L2, never a stale L1 line from an earlier step.
+                h = tl.load(read_slot + full_t[r], mask=mask_full_t[r], other=0.0, cache_modifier=".cg")
+            x_i, x_f, x_g, x_o = x_t[r]
+            c_new, h_new = _cell(h, w_i, w_f, w_g, w_o, x_i, x_f, x_g, x_o, c_t[r], BLOCK_B, UNITS,
+                                 MATVEC, FAST)
+            active = s < lengths_t[r]
+            h_own = tl.where(active[:, None], h_new, h_own_t[r])
+            new_c_t = new_c_t + (tl.where(active[:, None], c_new, c_t[r]),)
+            new_h_t = new_h_t + (h_own,)
+            # The exchange first: the other programs wait for it, nothing waits for the output.
+            if SYNC == 2:
+                shared = h_own.to(tl.uint32, bitcast=True).to(tl.int64) | ((tl.zeros((), tl.int64) + s + 1) << 32)
+            else:
+                shared = h_own
+            tl.store(exchange_ptr + ((s + 1) % 2) * slot_size + own_t[r], shared, mask=mask_own_t[r])
+            t = tl.where(d == 0, s, lengths_t[r] - 1 - s)
+            out_row = starts_t[r] + t.to(tl.int64) * row_step
+            tl.store(out_ptr + out_row[:, None] * (NUM_DIRECTIONS * H) + d * H + units[None, :], h_new,
+                     mask=active[:, None] & mask_units[None, :])
+        h_own_t = new_h_t
+        c_t = new_c_t
         # Later steps' inputs do not depend on h: their loads overlap the wait for the other
         # programs' h (below, or at the top of the next step with SYNC 2). Loads that miss
         # L2 still slow the steps that wait on them, so with L2_AHEAD the inputs of step
         # s + L2_AHEAD are first brought from DRAM into L2.
         if L2_AHEAD > 0:
-            _prefetch_step_inputs(xw_ptr, row_start, lengths, s + L2_AHEAD, d, H, k, row_step,
-                                  NUM_DIRECTIONS, UNITS)
+            for r in tl.static_range(SUB_TILES):
+                _prefetch_step_inputs(xw_ptr, starts_t[r], lengths_t[r], s + L2_AHEAD, d, H, k, row_step,
+                                      NUM_DIRECTIONS, UNITS)
         if PREFETCH == 2:
-            x_i, x_f, x_g, x_o = y_i, y_f, y_g, y_o
-            y_i, y_f, y_g, y_o = _load_step_inputs(xw_ptr, row_start, lengths, s + 2, d, H, units,
-                                                   mask_units, row_step, NUM_DIRECTIONS)
+            x_t = y_t
+            y_t = _load_tiles_inputs(xw_ptr, starts_t, lengths_t, s + 2, d, H, units, mask_units, row_step,
+                                     NUM_DIRECTIONS, SUB_TILES)
         else:
-            x_i, x_f, x_g, x_o = _load_step_inputs(xw_ptr, row_start, lengths, s + 1, d, H, units,
-                                                   mask_units, row_step, NUM_DIRECTIONS)
+            x_t = _load_tiles_inputs(xw_ptr, starts_t, lengths_t, s + 1, d, H, units, mask_units, row_step,
+                                     NUM_DIRECTIONS, SUB_TILES)
         if SYNC == 1:
             # Every thread's store must be done before this program signals (CTA barrier),
             # and the release makes them visible to the programs that acquire the count.
@@ -341,8 +407,9 @@ def _lstm_recurrence_kernel(
         elif SYNC == 0:
             tl.debug_barrier()  # the next step reads values other threads of this program wrote
 
-    tl.store(hn_ptr + own, h_own, mask=mask_own)
-    tl.store(cn_ptr + own, c, mask=mask_own)
+    for r in tl.static_range(SUB_TILES):
+        tl.store(hn_ptr + own_t[r], h_own_t[r], mask=mask_own_t[r])
+        tl.store(cn_ptr + own_t[r], c_t[r], mask=mask_own_t[r])
 
 
 @triton.jit
@@ -427,6 +494,9 @@ class RecurrenceConfig:
             DRAM into L2 (0: not at all; GPU only). ``None``: 8 for the CUDA-core
             products when the layer's projected inputs fill more than half of L2 (so
             that most of them come from DRAM), else 0.
+        sub_tiles: how many tiles of ``block_b`` rows one program runs, one after
+            another in each step: more rows per program (fewer launches) for the
+            registers of ``block_b`` rows.
         fast_math: the gates' exponentials and reciprocals as single approximate
             instructions (``ex2.approx.ftz``, ``rcp.approx.ftz``; GPU only), where
             ``tl.exp`` and ``/`` add range tests around the same instructions: about
@@ -442,6 +512,7 @@ class RecurrenceConfig:
     prefetch: int = 1
     l2_prefetch: Optional[int] = None
     fast_math: Optional[bool] = None
+    sub_tiles: int = 1
 
 
 def _sm_count(device: torch.device) -> int:
@@ -466,9 +537,10 @@ def choose_config(batch: int, hidden: int, num_directions: int, device: torch.de
     128). Among the splits, the fewest launches, then the least work per thread, then
     (measured on an H200) fewer programs per exchange for H <= 128 and the smaller
     weight slice for larger H. The tensor-core product (``matvec`` 3, 16 rows per
-    program) measured slower than these CUDA-core sums in one or two launches; where
-    they need more, or the full 128 multiply-adds per thread (hidden size up to 128),
-    one launch of it is used instead. The CUDA-core
+    program) measured slower than these CUDA-core sums in one launch; at hidden sizes
+    up to 128 a batch that needs two or three launches of them runs as one launch of
+    programs with that many tiles each (``sub_tiles``), and one that needs more, or the
+    full 128 multiply-adds per thread, as one launch of the tensor-core variant. The CUDA-core
     configurations compute the four gates as one product (``matvec`` 4: measured 4% to
     27% faster than gate by gate at 589 frames, for every shape tried) and wait on
     step-tagged words (``sync`` 2); the tensor-core one waits on the step counter
@@ -511,12 +583,19 @@ def choose_config(batch: int, hidden: int, num_directions: int, device: torch.de
     if best is None:
         raise ValueError(f"hidden_size={hidden} is too large for the persistent kernels (at most {MAX_HIDDEN})")
     launches, work = best[0][:2]
-    if block_h <= 128 and (launches > 2 or work >= 128):
+    config = best[1]
+    if block_h <= 128 and config.programs_per_tile > 1 and 1 < launches <= 3:
+        # Two or three launches' worth of rows: one launch whose programs each run that
+        # many tiles one after another (H200, hidden 128: batch 128, 7.7 ms against 9.2
+        # for two launches and 11.4 for the tensor cores; batch 192, 10.9 against 12.3
+        # for the tensor cores). Four tiles per program lost to the tensor cores (batch
+        # 256: 14.7 against 13.2 ms).
+        return replace(config, sub_tiles=launches)
+    if block_h <= 128 and (launches > 3 or work >= 128):
         # Many rows: 16 rows per program on the tensor cores (tf32x3), in one launch,
-        # instead of three or more launches of the CUDA-core sums, or of programs that
-        # each run a whole recurrence alone with 128 multiply-adds a thread. Two launches
-        # of the sums beat them (H200, hidden 128, batch 128: 9.2 against 11.4 ms); at
-        # hidden 256 the weight slice outgrows shared memory.
+        # instead of four or more tiles per program of the CUDA-core sums, or of
+        # programs that each run a whole recurrence alone with 128 multiply-adds a
+        # thread; at hidden 256 the weight slice outgrows shared memory.
         # With 16 rows a thread holds 16 words of h: voting on them (``sync`` 2) cost
         # more than the step counter (14.6 against 13.0 ms at batch 128, 17.5 against
         # 15.9 at 256, measured before the CUDA-core sums took batch 128).
@@ -524,7 +603,7 @@ def choose_config(batch: int, hidden: int, num_directions: int, device: torch.de
         tiles = sms // (num_directions * k)
         if tiles >= 1 and runtime.cdiv(batch, tiles * 16) <= launches:
             return RecurrenceConfig(k, 16, 3, 1 if k > 1 else 0, 4)
-    return best[1]
+    return config
 
 
 @runtime.on_inputs_device
@@ -575,6 +654,8 @@ def lstm_recurrence(
     allowed = (1, 2) if k > 1 else (0, 1)
     if config.sync not in allowed:
         raise ValueError(f"programs_per_tile={k} needs sync {' or '.join(map(str, allowed))}, got {config.sync}")
+    if not isinstance(config.sub_tiles, int) or config.sub_tiles < 1:
+        raise ValueError(f"sub_tiles must be an int >= 1, got {config.sub_tiles!r}")
     if config.l2_prefetch is not None and (not isinstance(config.l2_prefetch, int) or config.l2_prefetch < 0):
         raise ValueError(f"l2_prefetch must be None or a step count >= 0, got {config.l2_prefetch!r}")
     if config.matvec in (2, 4) and config.block_b >= 16:
@@ -595,7 +676,7 @@ def lstm_recurrence(
                 f"the cooperative configuration needs {num_directions * k} programs resident at once, "
                 f"but the GPU has {sms} SMs; use fewer programs_per_tile"
             )
-        rows_per_launch = max_tiles * config.block_b
+        rows_per_launch = max_tiles * config.block_b * config.sub_tiles
         if batch > rows_per_launch:
             for lo in range(0, batch, rows_per_launch):
                 hi = min(lo + rows_per_launch, batch)
@@ -613,7 +694,7 @@ def _launch(xw, w_hh, h0, c0, row_start, lengths, row_step, out, h_n, c_n, confi
     num_directions, _, hidden = w_hh.shape[0], w_hh.shape[1], h0.shape[2]
     batch = lengths.numel()
     k = config.programs_per_tile
-    n_tiles = runtime.cdiv(batch, config.block_b)
+    n_tiles = runtime.cdiv(batch, config.block_b * config.sub_tiles)
     grid = (k, n_tiles, num_directions)
     if config.sync == 2:
         # slot 0: h0 tagged step 0; slot 1: tagged -1, never a step a reader waits for
@@ -647,6 +728,6 @@ def _launch(xw, w_hh, h0, c0, row_start, lengths, row_step, out, h_n, c_n, confi
         UNITS=block_h // k, MATVEC=config.matvec, SYNC=config.sync, PREFETCH=config.prefetch,
         # one vote per register of four entries where every thread holds a multiple of four
         VOTE_PACK=4 if config.block_b * block_h >= 4 * 32 * config.num_warps else 1,
-        L2_AHEAD=l2_ahead, FAST=fast and not runtime.INTERPRETED,
+        L2_AHEAD=l2_ahead, FAST=fast and not runtime.INTERPRETED, SUB_TILES=config.sub_tiles,
         num_warps=config.num_warps,
     )
