@@ -127,7 +127,7 @@ def _gate_matvec(h, w, MATVEC: tl.constexpr):
     * 3: as 1, on tensor cores with three TF32 products per product
       (``tf32x3``: the high and low parts of both factors), float32 accuracy.
 
-    (``MATVEC`` 4, the four gates as one product, is written out in the kernel.)
+    (``MATVEC`` 4, the four gates as one product, is written out in :func:`_cell`.)
     """
     if MATVEC == 3:
         return tl.dot(h, w, input_precision="tf32x3")
@@ -155,17 +155,34 @@ def _load_gate_weight(w_hh_ptr, d, gate, H, units, cols, mask_units, mask_cols, 
 
 
 @triton.jit
+def _frame_row(row_start, lengths, s, d, row_step):
+    """The row (in ``xw`` and ``out``) of step ``s``'s frame for each sequence of a tile.
+
+    Step ``s`` of the forward direction is frame ``s``; of the reverse direction frame
+    ``length - 1 - s``, so each sequence runs backwards from its own last frame.
+    """
+    t = tl.where(d == 0, s, lengths - 1 - s)
+    return row_start + t.to(tl.int64) * row_step
+
+
+@triton.jit
+def _load_gate_weights(w_hh_ptr, d, H, units, cols, mask_units, mask_cols, MATVEC: tl.constexpr):
+    """This program's ``4 x UNITS`` rows of ``W_hh``, one tensor per gate (``i, f, g, o``)."""
+    return (_load_gate_weight(w_hh_ptr, d, 0, H, units, cols, mask_units, mask_cols, MATVEC),
+            _load_gate_weight(w_hh_ptr, d, 1, H, units, cols, mask_units, mask_cols, MATVEC),
+            _load_gate_weight(w_hh_ptr, d, 2, H, units, cols, mask_units, mask_cols, MATVEC),
+            _load_gate_weight(w_hh_ptr, d, 3, H, units, cols, mask_units, mask_cols, MATVEC))
+
+
+@triton.jit
 def _load_step_inputs(xw_ptr, row_start, lengths, s, d, H, units, mask_units, row_step,
                       NUM_DIRECTIONS: tl.constexpr):
-    """The projected inputs of step ``s`` for each row of the tile, four ``(BLOCK_B, U)`` gates.
-
-    Step ``s`` of the forward direction reads frame ``s``; of the reverse direction
-    frame ``length - 1 - s``, so each sequence runs backwards from its own last frame.
-    Rows whose sequence has ended (``s >= length``) read nothing.
+    """The projected inputs of step ``s`` for each row of the tile, four ``(BLOCK_B, U)``
+    gates (see :func:`_frame_row`). Rows whose sequence has ended (``s >= length``) read
+    nothing.
     """
     active = s < lengths
-    t = tl.where(d == 0, s, lengths - 1 - s)
-    row = row_start + t.to(tl.int64) * row_step
+    row = _frame_row(row_start, lengths, s, d, row_step)
     base = xw_ptr + row[:, None] * (NUM_DIRECTIONS * 4 * H) + d * 4 * H + units[None, :]
     mask = active[:, None] & mask_units[None, :]
     x_i = tl.load(base, mask=mask, other=0.0)
@@ -185,8 +202,7 @@ def _prefetch_step_inputs(xw_ptr, row_start, lengths, s, d, H, k, row_step,
     """
     lane = tl.arange(0, 4 * UNITS)
     unit = k * UNITS + lane % UNITS
-    t = tl.where(d == 0, s, lengths - 1 - s)
-    row = row_start + t.to(tl.int64) * row_step
+    row = _frame_row(row_start, lengths, s, d, row_step)
     ptrs = xw_ptr + row[:, None] * (NUM_DIRECTIONS * 4 * H) + d * 4 * H + (lane // UNITS * H + unit)[None, :]
     wanted = (s < lengths)[:, None] & ((unit < H) & (lane % 32 == 0))[None, :]
     tl.inline_asm_elementwise("{ .reg .pred p; setp.ne.b32 p, $2, 0; @p prefetch.global.L2 [$1]; mov.b32 $0, 0; }",
@@ -223,13 +239,17 @@ def _stale_words(packed_t, mask_full_t, s, SUB_TILES: tl.constexpr):
 
 
 @triton.jit
-def _cell(h, w_i, w_f, w_g, w_o, x_i, x_f, x_g, x_o, c, BLOCK_B: tl.constexpr, UNITS: tl.constexpr,
-          MATVEC: tl.constexpr, FAST: tl.constexpr):
-    """One step of the cell for a tile: ``(c_t, h_t)`` of its ``(BLOCK_B, UNITS)`` units."""
+def _cell(h, weights, x, c, BLOCK_B: tl.constexpr, UNITS: tl.constexpr, MATVEC: tl.constexpr,
+          FAST: tl.constexpr):
+    """One step of the cell for a tile: ``(c_t, h_t)`` of its ``(BLOCK_B, UNITS)`` units.
+
+    ``weights``: ``(w4,)``, the four gates' ``(BLOCK_H, UNITS, 4)`` slice, with ``MATVEC``
+    4, else one tensor per gate; ``x``: the four gates' projected inputs.
+    """
+    x_i, x_f, x_g, x_o = x
     if MATVEC == 4:
-        # One product for the four gates (w_i is the whole (BLOCK_H, UNITS, 4) slice);
-        # (BLOCK_B, UNITS, 4) -> four (BLOCK_B, UNITS).
-        z = tl.sum(h[:, :, None, None] * w_i[None, :, :, :], axis=1)
+        # One product for the four gates; (BLOCK_B, UNITS, 4) -> four (BLOCK_B, UNITS).
+        z = tl.sum(h[:, :, None, None] * weights[0][None, :, :, :], axis=1)
         z_ig, z_fo = tl.split(tl.reshape(z, (BLOCK_B, UNITS, 2, 2)))  # gate 2a + b at [a, b]
         z_i, z_g = tl.split(z_ig)
         z_f, z_o = tl.split(z_fo)
@@ -238,6 +258,7 @@ def _cell(h, w_i, w_f, w_g, w_o, x_i, x_f, x_g, x_o, c, BLOCK_B: tl.constexpr, U
         gate_g = _tanh(x_g + z_g, FAST)
         gate_o = _sigmoid(x_o + z_o, FAST)
     else:
+        w_i, w_f, w_g, w_o = weights
         gate_i = _sigmoid(x_i + _gate_matvec(h, w_i, MATVEC), FAST)
         gate_f = _sigmoid(x_f + _gate_matvec(h, w_f, MATVEC), FAST)
         gate_g = _tanh(x_g + _gate_matvec(h, w_g, MATVEC), FAST)
@@ -293,16 +314,10 @@ def _lstm_recurrence_kernel(
         gates = tl.arange(0, 4)
         w4 = tl.load(w_hh_ptr + ((d * 4 + gates[None, None, :]) * H + cols[:, None, None]).to(tl.int64) * H
                      + units[None, :, None], mask=mask_cols[:, None, None] & mask_units[None, :, None], other=0.0)
-        w_i = w4  # _cell reads the whole slice from w_i
-        w_f = w4
-        w_g = w4
-        w_o = w4
+        weights = (w4,)
     elif K > 1:
         # Held in registers for every step: this program's 4 x UNITS rows of W_hh.
-        w_i = _load_gate_weight(w_hh_ptr, d, 0, H, units, cols, mask_units, mask_cols, MATVEC)
-        w_f = _load_gate_weight(w_hh_ptr, d, 1, H, units, cols, mask_units, mask_cols, MATVEC)
-        w_g = _load_gate_weight(w_hh_ptr, d, 2, H, units, cols, mask_units, mask_cols, MATVEC)
-        w_o = _load_gate_weight(w_hh_ptr, d, 3, H, units, cols, mask_units, mask_cols, MATVEC)
+        weights = _load_gate_weights(w_hh_ptr, d, H, units, cols, mask_units, mask_cols, MATVEC)
 
     # The program's SUB_TILES tiles of BLOCK_B rows, each its own tuple entry: a step
     # runs them one after another, so registers hold one tile's product at a time.
@@ -349,10 +364,7 @@ def _lstm_recurrence_kernel(
                 packed_t = _load_tiles_words(read_slot, full_t, mask_full_t, SUB_TILES)
         if K == 1 and MATVEC != 4:
             # Nothing is held across steps: the whole W_hh is re-read (from cache) each step.
-            w_i = _load_gate_weight(w_hh_ptr, d, 0, H, units, cols, mask_units, mask_cols, MATVEC)
-            w_f = _load_gate_weight(w_hh_ptr, d, 1, H, units, cols, mask_units, mask_cols, MATVEC)
-            w_g = _load_gate_weight(w_hh_ptr, d, 2, H, units, cols, mask_units, mask_cols, MATVEC)
-            w_o = _load_gate_weight(w_hh_ptr, d, 3, H, units, cols, mask_units, mask_cols, MATVEC)
+            weights = _load_gate_weights(w_hh_ptr, d, H, units, cols, mask_units, mask_cols, MATVEC)
 
         new_h_t = ()
         new_c_t = ()
@@ -362,9 +374,7 @@ def _lstm_recurrence_kernel(
             else:
                 # .cg reads L2, never a stale L1 line from an earlier step.
                 h = tl.load(read_slot + full_t[r], mask=mask_full_t[r], other=0.0, cache_modifier=".cg")
-            x_i, x_f, x_g, x_o = x_t[r]
-            c_new, h_new = _cell(h, w_i, w_f, w_g, w_o, x_i, x_f, x_g, x_o, c_t[r], BLOCK_B, UNITS,
-                                 MATVEC, FAST)
+            c_new, h_new = _cell(h, weights, x_t[r], c_t[r], BLOCK_B, UNITS, MATVEC, FAST)
             active = s < lengths_t[r]
             h_own = tl.where(active[:, None], h_new, h_own_t[r])
             new_c_t = new_c_t + (tl.where(active[:, None], c_new, c_t[r]),)
@@ -375,8 +385,7 @@ def _lstm_recurrence_kernel(
             else:
                 shared = h_own
             tl.store(exchange_ptr + ((s + 1) % 2) * slot_size + own_t[r], shared, mask=mask_own_t[r])
-            t = tl.where(d == 0, s, lengths_t[r] - 1 - s)
-            out_row = starts_t[r] + t.to(tl.int64) * row_step
+            out_row = _frame_row(starts_t[r], lengths_t[r], s, d, row_step)
             tl.store(out_ptr + out_row[:, None] * (NUM_DIRECTIONS * H) + d * H + units[None, :], h_new,
                      mask=active[:, None] & mask_units[None, :])
         h_own_t = new_h_t
