@@ -239,30 +239,35 @@ def _stale_words(packed_t, mask_full_t, s, SUB_TILES: tl.constexpr):
 
 
 @triton.jit
-def _cell(h, weights, x, c, BLOCK_B: tl.constexpr, UNITS: tl.constexpr, MATVEC: tl.constexpr,
-          FAST: tl.constexpr):
-    """One step of the cell for a tile: ``(c_t, h_t)`` of its ``(BLOCK_B, UNITS)`` units.
+def _products(h, weights, BLOCK_B: tl.constexpr, UNITS: tl.constexpr, MATVEC: tl.constexpr):
+    """``W_hh h`` of a tile's ``(BLOCK_B, UNITS)`` units, one tensor per gate (``i, f, g, o``).
 
     ``weights``: ``(w4,)``, the four gates' ``(BLOCK_H, UNITS, 4)`` slice, with ``MATVEC``
-    4, else one tensor per gate; ``x``: the four gates' projected inputs.
+    4, else one tensor per gate.
     """
-    x_i, x_f, x_g, x_o = x
     if MATVEC == 4:
         # One product for the four gates; (BLOCK_B, UNITS, 4) -> four (BLOCK_B, UNITS).
         z = tl.sum(h[:, :, None, None] * weights[0][None, :, :, :], axis=1)
         z_ig, z_fo = tl.split(tl.reshape(z, (BLOCK_B, UNITS, 2, 2)))  # gate 2a + b at [a, b]
         z_i, z_g = tl.split(z_ig)
         z_f, z_o = tl.split(z_fo)
-        gate_i = _sigmoid(x_i + z_i, FAST)
-        gate_f = _sigmoid(x_f + z_f, FAST)
-        gate_g = _tanh(x_g + z_g, FAST)
-        gate_o = _sigmoid(x_o + z_o, FAST)
+        return z_i, z_f, z_g, z_o
     else:
         w_i, w_f, w_g, w_o = weights
-        gate_i = _sigmoid(x_i + _gate_matvec(h, w_i, MATVEC), FAST)
-        gate_f = _sigmoid(x_f + _gate_matvec(h, w_f, MATVEC), FAST)
-        gate_g = _tanh(x_g + _gate_matvec(h, w_g, MATVEC), FAST)
-        gate_o = _sigmoid(x_o + _gate_matvec(h, w_o, MATVEC), FAST)
+        return (_gate_matvec(h, w_i, MATVEC), _gate_matvec(h, w_f, MATVEC), _gate_matvec(h, w_g, MATVEC),
+                _gate_matvec(h, w_o, MATVEC))
+
+
+@triton.jit
+def _cell(z, x, c, FAST: tl.constexpr):
+    """One step of the cell: ``(c_t, h_t)`` from the products ``z`` (:func:`_products`),
+    the projected inputs ``x`` and ``c_{t-1}``, each four gates ``i, f, g, o``."""
+    z_i, z_f, z_g, z_o = z
+    x_i, x_f, x_g, x_o = x
+    gate_i = _sigmoid(x_i + z_i, FAST)
+    gate_f = _sigmoid(x_f + z_f, FAST)
+    gate_g = _tanh(x_g + z_g, FAST)
+    gate_o = _sigmoid(x_o + z_o, FAST)
     c_new = gate_f * c + gate_i * gate_g
     return c_new, gate_o * _tanh(c_new, FAST)
 
@@ -298,7 +303,7 @@ def _lstm_recurrence_kernel(
     ``(D, n_tiles)`` int32 zeros: the step counter of each direction and tile. Program
     ``(k, tile, d)`` owns units ``[k UNITS, (k + 1) UNITS)`` of rows ``[tile R, (tile +
     1) R)``, ``R = BLOCK_B SUB_TILES``, in direction ``d``: ``SUB_TILES`` tiles of
-    ``BLOCK_B`` rows, each step computing them one after another.
+    ``BLOCK_B`` rows, each step computing the products of all of them, then their cells.
     """
     k = tl.program_id(0)
     tile = tl.program_id(1)
@@ -320,7 +325,8 @@ def _lstm_recurrence_kernel(
         weights = _load_gate_weights(w_hh_ptr, d, H, units, cols, mask_units, mask_cols, MATVEC)
 
     # The program's SUB_TILES tiles of BLOCK_B rows, each its own tuple entry: a step
-    # runs them one after another, so registers hold one tile's product at a time.
+    # computes their products one after another, so registers hold the broadcast h of
+    # one tile at a time.
     lengths_t = ()
     starts_t = ()
     own_t = ()  # (BLOCK_B, UNITS) offsets in (D, B, H)
@@ -366,15 +372,21 @@ def _lstm_recurrence_kernel(
             # Nothing is held across steps: the whole W_hh is re-read (from cache) each step.
             weights = _load_gate_weights(w_hh_ptr, d, H, units, cols, mask_units, mask_cols, MATVEC)
 
-        new_h_t = ()
-        new_c_t = ()
+        # The products of every tile first, then the cells: the gates of one tile and the
+        # products of the next are not separated by the CTA barriers of a product (H200,
+        # hidden 128: batch 128 7.67 -> 7.44 ms, batch 192 10.93 -> 10.75).
+        z_t = ()
         for r in tl.static_range(SUB_TILES):
             if SYNC == 2:
                 h = packed_t[r].to(tl.int32).to(tl.float32, bitcast=True)  # the low 32 bits
             else:
                 # .cg reads L2, never a stale L1 line from an earlier step.
                 h = tl.load(read_slot + full_t[r], mask=mask_full_t[r], other=0.0, cache_modifier=".cg")
-            c_new, h_new = _cell(h, weights, x_t[r], c_t[r], BLOCK_B, UNITS, MATVEC, FAST)
+            z_t = z_t + (_products(h, weights, BLOCK_B, UNITS, MATVEC),)
+        new_h_t = ()
+        new_c_t = ()
+        for r in tl.static_range(SUB_TILES):
+            c_new, h_new = _cell(z_t[r], x_t[r], c_t[r], FAST)
             active = s < lengths_t[r]
             h_own = tl.where(active[:, None], h_new, h_own_t[r])
             new_c_t = new_c_t + (tl.where(active[:, None], c_new, c_t[r]),)
@@ -503,9 +515,9 @@ class RecurrenceConfig:
             DRAM into L2 (0: not at all; GPU only). ``None``: 8 for the CUDA-core
             products when the layer's projected inputs fill more than half of L2 (so
             that most of them come from DRAM), else 0.
-        sub_tiles: how many tiles of ``block_b`` rows one program runs, one after
-            another in each step: more rows per program (fewer launches) for the
-            registers of ``block_b`` rows.
+        sub_tiles: how many tiles of ``block_b`` rows one program runs in each step
+            (the products of all of them, then their cells): more rows per program
+            (fewer launches) for the registers of ``block_b`` rows.
         fast_math: the gates' exponentials and reciprocals as single approximate
             instructions (``ex2.approx.ftz``, ``rcp.approx.ftz``; GPU only), where
             ``tl.exp`` and ``/`` add range tests around the same instructions: about
@@ -595,10 +607,10 @@ def choose_config(batch: int, hidden: int, num_directions: int, device: torch.de
     config = best[1]
     if block_h <= 128 and config.programs_per_tile > 1 and 1 < launches <= 3:
         # Two or three launches' worth of rows: one launch whose programs each run that
-        # many tiles one after another (H200, hidden 128: batch 128, 7.7 ms against 9.2
-        # for two launches and 11.4 for the tensor cores; batch 192, 10.9 against 12.3
+        # many tiles one after another (H200, hidden 128: batch 128, 7.4 ms against 9.2
+        # for two launches and 11.4 for the tensor cores; batch 192, 10.8 against 12.3
         # for the tensor cores). Four tiles per program lost to the tensor cores (batch
-        # 256: 14.7 against 13.2 ms).
+        # 256: 14.0 against 13.3 ms).
         return replace(config, sub_tiles=launches)
     if block_h <= 128 and (launches > 3 or work >= 128):
         # Many rows: 16 rows per program on the tensor cores (tf32x3), in one launch,
