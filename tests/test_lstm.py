@@ -281,8 +281,10 @@ def test_configuration_checks(device):
             PersistentLSTM.from_torch(lstm, RecurrenceConfig(2, 2, 0, 0))(x)
         with pytest.raises(ValueError, match="needs sync 0 or 1"):
             PersistentLSTM.from_torch(lstm, RecurrenceConfig(1, 2, 0, 2))(x)
-        with pytest.raises(ValueError, match="needs sync 1 or 2"):
-            PersistentLSTM.from_torch(lstm, RecurrenceConfig(2, 2, 0, 3))(x)
+        with pytest.raises(ValueError, match="needs sync 1, 2 or 3"):
+            PersistentLSTM.from_torch(lstm, RecurrenceConfig(2, 2, 0, 4))(x)
+        with pytest.raises(ValueError, match="sync 3 takes at most 3 sub_tiles"):
+            PersistentLSTM.from_torch(lstm, RecurrenceConfig(2, 2, 4, 3, sub_tiles=4))(x)
         with pytest.raises(ValueError, match="must divide"):
             PersistentLSTM.from_torch(lstm, RecurrenceConfig(3, 2, 0, 1))(x)
         with pytest.raises(ValueError, match="l2_prefetch"):
@@ -430,7 +432,10 @@ def test_cooperative_default_configuration_repeated(B, H):
      (16, 0, 4, 1, 2, 2), (16, 1, 4, 1, 2, 16), (16, 2, 4, 2, 2, 1), (32, 2, 8, 2, 2, 1), (32, 2, 4, 1, 2, 4),
      (8, 2, 2, 2, 2, 2), (16, 3, 4, 2, 2, 16),
      # the four gates as one product, with either wait
-     (16, 4, 4, 2, 2, 1), (32, 4, 8, 2, 2, 1), (32, 4, 8, 1, 2, 2), (8, 4, 2, 2, 2, 2), (16, 4, 4, 1, 1, 4)],
+     (16, 4, 4, 2, 2, 1), (32, 4, 8, 2, 2, 1), (32, 4, 8, 1, 2, 2), (8, 4, 2, 2, 2, 2), (16, 4, 4, 1, 1, 4),
+     # the poll loop in PTX: one word a thread, words held twice, several words a thread
+     (16, 4, 4, 2, 3, 1), (32, 4, 8, 2, 3, 1), (32, 4, 8, 1, 3, 2), (8, 4, 2, 2, 3, 2), (32, 4, 4, 1, 3, 4),
+     (16, 2, 4, 2, 3, 1), (16, 0, 4, 1, 3, 2)],
     ids=lambda v: str(v))
 def test_cooperative_variants(units, matvec, num_warps, prefetch, sync, block_b):
     lstm = make_lstm(13, 64, 2, True, device="cuda")
@@ -450,8 +455,11 @@ def test_cooperative_variants(units, matvec, num_warps, prefetch, sync, block_b)
                                     RecurrenceConfig(2, 1, 4, 2, 8, prefetch=2, l2_prefetch=8, sub_tiles=4),
                                     RecurrenceConfig(2, 2, 4, 2, 8, sub_tiles=3),
                                     RecurrenceConfig(4, 2, 0, 1, 4, sub_tiles=2),
-                                    RecurrenceConfig(4, 16, 3, 1, 4, sub_tiles=2)],
-                         ids=lambda c: f"K{c.programs_per_tile}-b{c.block_b}-mv{c.matvec}-l2{c.l2_prefetch}"
+                                    RecurrenceConfig(4, 16, 3, 1, 4, sub_tiles=2),
+                                    RecurrenceConfig(2, 2, 4, 3, 8, sub_tiles=3),
+                                    RecurrenceConfig(2, 1, 4, 3, 8, prefetch=2, l2_prefetch=8, sub_tiles=2),
+                                    RecurrenceConfig(2, 2, 4, 3, 8, l2_prefetch=1, fast_math=False, sub_tiles=2)],
+                         ids=lambda c: f"K{c.programs_per_tile}-b{c.block_b}-mv{c.matvec}-s{c.sync}-l2{c.l2_prefetch}"
                                        f"-fast{c.fast_math}-sub{c.sub_tiles}")
 def test_cooperative_options(config):
     """Prefetching into L2 is only a hint, the single-instruction gate arithmetic stays
@@ -479,12 +487,15 @@ def test_cooperative_options(config):
 def test_cooperative_grid_never_exceeds_the_sm_count():
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     for B in (1, 8, 32, 128):
-        assert choose_config(B, 128, 2, torch.device("cuda")).programs_per_tile > 1, "pyannote shapes cooperate"
+        cfg = choose_config(B, 128, 2, torch.device("cuda"))
+        assert cfg.programs_per_tile > 1 and cfg.sync == 3, ("pyannote shapes cooperate, polling in PTX", cfg)
     for B in (1, 7, 32, 100, 128, 1000):
         for H in (16, 100, 128, 256, 512):
             for D in (1, 2):
                 cfg = choose_config(B, H, D, torch.device("cuda"))
-                assert cfg.sync == (0 if cfg.programs_per_tile == 1 else 1 if cfg.matvec == 3 else 2), cfg
+                words = cfg.block_b * max(runtime.next_power_of_2(H), 16)  # of a tile
+                cooperative = 3 if H <= 128 and words <= 32 * cfg.num_warps and cfg.sub_tiles <= 3 else 2
+                assert cfg.sync == (0 if cfg.programs_per_tile == 1 else 1 if cfg.matvec == 3 else cooperative), cfg
                 assert cfg.matvec in (3, 4), cfg
                 per_launch = min(-(-B // (cfg.block_b * cfg.sub_tiles)), sms // (D * cfg.programs_per_tile))
                 assert cfg.programs_per_tile * per_launch * D <= sms, (B, H, D, cfg)
@@ -522,6 +533,7 @@ def test_large_batch_defaults(batch):
         assert cfg.matvec == 3 and cfg.block_b == 16, cfg
     else:
         assert cfg.matvec == 4 and cfg.block_b == 2 and cfg.programs_per_tile == 2 and cfg.sub_tiles == 2, cfg
+        assert cfg.sync == 3, cfg
     lstm = make_lstm(60, 128, 2, True, device="cuda")
     lengths = torch.randint(1, 41, (batch,), generator=torch.Generator().manual_seed(5)).cuda()
     lengths[0] = 40

@@ -37,6 +37,12 @@ while another thread's copy is still a step old. So each thread votes on what it
 loaded itself, through the CTA barrier-reduction ``bar.red.or`` (:func:`_any_stale`),
 and the program leaves the loop only when no thread saw a stale word.
 
+``sync`` 3 (the default for hidden sizes up to 128) is the same wait with the poll
+loop written in PTX (:func:`_wait_tiles_words`): the ``bar.red.or`` result is the
+same in every thread, so the loop branches on it directly. In Triton a ``while``
+needs a scalar condition, and turning the per-thread vote into one is a reduction of
+its own (three more CTA barriers and two trips through shared memory per poll).
+
 The exchange buffer is double buffered by step parity, so a fast program never
 overwrites values a slow one still reads: it can only write step ``s + 2`` into a
 slot after reading every program's step ``s + 1``, which each wrote after reading
@@ -229,6 +235,85 @@ def _load_tiles_words(read_slot, full_t, mask_full_t, SUB_TILES: tl.constexpr):
     return packed_t
 
 
+def _wait_asm(tiles: int) -> str:
+    """PTX of the poll loop of :func:`_wait_tiles_words` over one word of each of ``tiles`` tiles.
+
+    Operands: ``$0 .. $(n-1)`` the words returned; then per tile the word first
+    loaded, its address and its mask (0: no load, never stale); last the step
+    waited for. Each pass ORs every thread's "some word of mine is stale" through
+    ``bar.red.or`` (a CTA barrier: every thread runs the same passes) and, while any
+    thread saw one, reloads this thread's words (volatile, served by L2).
+    """
+    n = tiles
+    lines = ["{", ".reg .pred p, t, q;", ".reg .b32 lo, tag;"]
+    for i in range(n):
+        lines += [f".reg .pred w{i};", f".reg .b64 v{i};",
+                  f"setp.ne.b32 w{i}, ${3 * n + i}, 0;", f"mov.b64 v{i}, ${n + i};"]
+    lines += ["POLL_${:uid}:"]
+    for i in range(n):
+        lines += [f"mov.b64 {{lo, tag}}, v{i};", f"setp.ne.and.s32 {'t' if i else 'p'}, tag, ${4 * n}, w{i};"]
+        lines += ["or.pred p, p, t;"] if i else []
+    lines += ["bar.red.or.pred q, 0, p;", "@!q bra DONE_${:uid};"]
+    lines += [f"@w{i} ld.volatile.global.b64 v{i}, [${2 * n + i}];" for i in range(n)]
+    lines += ["bra.uni POLL_${:uid};", "DONE_${:uid}:"]
+    lines += [f"mov.b64 ${i}, v{i};" for i in range(n)]
+    return "\n".join(lines + ["}"])
+
+
+def _wait_constraints(tiles: int) -> str:
+    return ",".join(["=l"] * tiles + ["l"] * (2 * tiles) + ["r"] * (tiles + 1))
+
+
+#: most tiles per program the PTX poll loop (``sync`` 3) is written for
+MAX_WAIT_TILES = 3
+_WAIT_ASM_1 = tl.constexpr(_wait_asm(1))
+_WAIT_ASM_2 = tl.constexpr(_wait_asm(2))
+_WAIT_ASM_3 = tl.constexpr(_wait_asm(3))
+_WAIT_CON_1 = tl.constexpr(_wait_constraints(1))
+_WAIT_CON_2 = tl.constexpr(_wait_constraints(2))
+_WAIT_CON_3 = tl.constexpr(_wait_constraints(3))
+
+
+@triton.jit
+def _poll_asm(words_t, read_slot, full_t, mask_full_t, step, SUB_TILES: tl.constexpr):
+    if SUB_TILES == 1:
+        return (tl.inline_asm_elementwise(_WAIT_ASM_1, _WAIT_CON_1,
+                                          [words_t[0], read_slot + full_t[0], mask_full_t[0].to(tl.int32), step],
+                                          dtype=tl.int64, is_pure=False, pack=1),)
+    elif SUB_TILES == 2:
+        return tl.inline_asm_elementwise(_WAIT_ASM_2, _WAIT_CON_2,
+                                         [words_t[0], words_t[1], read_slot + full_t[0], read_slot + full_t[1],
+                                          mask_full_t[0].to(tl.int32), mask_full_t[1].to(tl.int32), step],
+                                         dtype=(tl.int64, tl.int64), is_pure=False, pack=1)
+    else:
+        tl.static_assert(SUB_TILES == 3, "the PTX poll loop takes 1 to 3 tiles")
+        return tl.inline_asm_elementwise(_WAIT_ASM_3, _WAIT_CON_3,
+                                         [words_t[0], words_t[1], words_t[2], read_slot + full_t[0],
+                                          read_slot + full_t[1], read_slot + full_t[2],
+                                          mask_full_t[0].to(tl.int32), mask_full_t[1].to(tl.int32),
+                                          mask_full_t[2].to(tl.int32), step],
+                                         dtype=(tl.int64, tl.int64, tl.int64), is_pure=False, pack=1)
+
+
+@triton.jit
+def _wait_tiles_words(read_slot, full_t, mask_full_t, s, SUB_TILES: tl.constexpr):
+    """``sync`` 3: the tiles' words once every one carries step ``s``; the poll loop in PTX.
+
+    A first load of the words in Triton, then one inline-PTX loop over all tiles
+    (:func:`_wait_asm`). GPU only.
+    """
+    words_t = _load_tiles_words(read_slot, full_t, mask_full_t, SUB_TILES)
+    step = mask_full_t[0].to(tl.int32) * 0 + s  # s in the words' layout
+    # Inside a loop that runs once: Triton then does not recompute the loads and the
+    # poll in each consumer's layout (measured: for a one-row tile it reran them once
+    # per element of the broadcast h, 128 polls a thread, and the kernel spilled).
+    once = 0
+    while once < 1:
+        words_t = _poll_asm(words_t, read_slot, full_t, mask_full_t, step, SUB_TILES)
+        once += 1
+    return words_t
+
+
 @triton.jit
 def _stale_words(packed_t, mask_full_t, s, SUB_TILES: tl.constexpr):
     """1 (int8) where some tile's word held by this thread is not tagged with step ``s``."""
@@ -298,7 +383,7 @@ def _lstm_recurrence_kernel(
     Layouts (float32, contiguous): ``xw`` ``(N, D * 4H)``, ``W_hh`` ``(D, 4H, H)``,
     ``out`` ``(N, D * H)``, ``h0``/``c0``/``hn``/``cn`` ``(D, B, H)``; frame ``t`` of
     sequence ``b`` is row ``row_start[b] + t * row_step``. ``exchange`` is ``(2, D, B,
-    H)``, slot 0 holding ``h0``: float32, or with ``SYNC`` 2 int64 words tagged with
+    H)``, slot 0 holding ``h0``: float32, or with ``SYNC`` 2 or 3 int64 words tagged with
     their step (``h0`` step 0, slot 1 step -1); ``counter``, read with ``SYNC`` 1 only,
     ``(D, n_tiles)`` int32 zeros: the step counter of each direction and tile. Program
     ``(k, tile, d)`` owns units ``[k UNITS, (k + 1) UNITS)`` of rows ``[tile R, (tile +
@@ -368,6 +453,8 @@ def _lstm_recurrence_kernel(
             packed_t = _load_tiles_words(read_slot, full_t, mask_full_t, SUB_TILES)
             while _any_stale(_stale_words(packed_t, mask_full_t, s, SUB_TILES), VOTE_PACK) > 0:
                 packed_t = _load_tiles_words(read_slot, full_t, mask_full_t, SUB_TILES)
+        elif SYNC == 3:
+            packed_t = _wait_tiles_words(read_slot, full_t, mask_full_t, s, SUB_TILES)  # the same, in PTX
         if K == 1 and MATVEC != 4:
             # Nothing is held across steps: the whole W_hh is re-read (from cache) each step.
             weights = _load_gate_weights(w_hh_ptr, d, H, units, cols, mask_units, mask_cols, MATVEC)
@@ -377,7 +464,7 @@ def _lstm_recurrence_kernel(
         # hidden 128: batch 128 7.67 -> 7.44 ms, batch 192 10.93 -> 10.75).
         z_t = ()
         for r in tl.static_range(SUB_TILES):
-            if SYNC == 2:
+            if SYNC >= 2:
                 h = packed_t[r].to(tl.int32).to(tl.float32, bitcast=True)  # the low 32 bits
             else:
                 # .cg reads L2, never a stale L1 line from an earlier step.
@@ -392,7 +479,7 @@ def _lstm_recurrence_kernel(
             new_c_t = new_c_t + (tl.where(active[:, None], c_new, c_t[r]),)
             new_h_t = new_h_t + (h_own,)
             # The exchange first: the other programs wait for it, nothing waits for the output.
-            if SYNC == 2:
+            if SYNC >= 2:
                 shared = h_own.to(tl.uint32, bitcast=True).to(tl.int64) | ((tl.zeros((), tl.int64) + s + 1) << 32)
             else:
                 shared = h_own
@@ -403,7 +490,7 @@ def _lstm_recurrence_kernel(
         h_own_t = new_h_t
         c_t = new_c_t
         # Later steps' inputs do not depend on h: their loads overlap the wait for the other
-        # programs' h (below, or at the top of the next step with SYNC 2). Loads that miss
+        # programs' h (below, or at the top of the next step with SYNC 2 or 3). Loads that miss
         # L2 still slow the steps that wait on them, so with L2_AHEAD the inputs of step
         # s + L2_AHEAD are first brought from DRAM into L2.
         if L2_AHEAD > 0:
@@ -507,8 +594,9 @@ class RecurrenceConfig:
             product (tensor cores, float32 accuracy), 4 as 2 with the four gates
             in one product (one reduction instead of four; ``block_b < 16``).
         sync: how programs wait for each other's ``h``: 2, step-tagged 64-bit
-            words polled in place (GPU only); 1, a step counter; 0, a CTA barrier
-            only. ``K > 1`` needs 1 or 2, ``K = 1`` 0 or 1.
+            words polled in place (GPU only); 3, the same with the poll loop in PTX
+            (GPU only, ``sub_tiles`` up to 3); 1, a step counter; 0, a CTA barrier
+            only. ``K > 1`` needs 1, 2 or 3, ``K = 1`` 0 or 1.
         num_warps: warps per program.
         prefetch: how many steps ahead the projected inputs are loaded (1 or 2).
         l2_prefetch: how many steps ahead the projected inputs are first brought from
@@ -564,8 +652,9 @@ def choose_config(batch: int, hidden: int, num_directions: int, device: torch.de
     full 128 multiply-adds per thread, as one launch of the tensor-core variant. The CUDA-core
     configurations compute the four gates as one product (``matvec`` 4: measured 4% to
     27% faster than gate by gate at 589 frames, for every shape tried) and wait on
-    step-tagged words (``sync`` 2); the tensor-core one waits on the step counter
-    (``sync`` 1), each the faster there.
+    step-tagged words (``sync`` 2), polled by a loop in PTX (``sync`` 3) at hidden
+    sizes up to 128 where each thread holds at most one word of a tile; the
+    tensor-core one waits on the step counter (``sync`` 1), each the faster there.
     """
     block_h = max(runtime.next_power_of_2(hidden), 16)
     if runtime.INTERPRETED or device.type != "cuda":
@@ -611,7 +700,7 @@ def choose_config(batch: int, hidden: int, num_directions: int, device: torch.de
         # for two launches and 11.4 for the tensor cores; batch 192, 10.8 against 12.3
         # for the tensor cores). Four tiles per program lost to the tensor cores (batch
         # 256: 14.0 against 13.3 ms).
-        return replace(config, sub_tiles=launches)
+        return _ptx_poll(replace(config, sub_tiles=launches), block_h)
     if block_h <= 128 and (launches > 3 or work >= 128):
         # Many rows: 16 rows per program on the tensor cores (tf32x3), in one launch,
         # instead of four or more tiles per program of the CUDA-core sums, or of
@@ -624,6 +713,20 @@ def choose_config(batch: int, hidden: int, num_directions: int, device: torch.de
         tiles = sms // (num_directions * k)
         if tiles >= 1 and runtime.cdiv(batch, tiles * 16) <= launches:
             return RecurrenceConfig(k, 16, 3, 1 if k > 1 else 0, 4)
+    return _ptx_poll(config, block_h)
+
+
+def _ptx_poll(config: RecurrenceConfig, block_h: int) -> RecurrenceConfig:
+    """``config`` with the PTX poll loop (``sync`` 3) where it measured faster.
+
+    H200, pyannote stack (hidden 128): batch 1 2.50 -> 2.15 ms, batch 8 2.52 -> 2.15,
+    batch 32 3.51 -> 3.43, batch 64 4.55 -> 3.97, batch 128 7.43 -> 6.81, batch 192
+    10.70 -> 10.00. At hidden 256 (8 words a thread at batch 32) it was slower: 13.4 ->
+    16.5 ms at batch 32, 4.40 -> 4.54 at batch 8.
+    """
+    one_word = config.block_b * block_h <= 32 * config.num_warps
+    if config.sync == 2 and block_h <= 128 and one_word and config.sub_tiles <= MAX_WAIT_TILES:
+        return replace(config, sync=3)
     return config
 
 
@@ -672,11 +775,14 @@ def lstm_recurrence(
     k = config.programs_per_tile
     if block_h % k:
         raise ValueError(f"programs_per_tile={k} must divide the padded hidden size {block_h}")
-    allowed = (1, 2) if k > 1 else (0, 1)
+    allowed = (1, 2, 3) if k > 1 else (0, 1)
     if config.sync not in allowed:
-        raise ValueError(f"programs_per_tile={k} needs sync {' or '.join(map(str, allowed))}, got {config.sync}")
+        choices = f"{', '.join(map(str, allowed[:-1]))} or {allowed[-1]}"
+        raise ValueError(f"programs_per_tile={k} needs sync {choices}, got {config.sync}")
     if not isinstance(config.sub_tiles, int) or config.sub_tiles < 1:
         raise ValueError(f"sub_tiles must be an int >= 1, got {config.sub_tiles!r}")
+    if config.sync == 3 and config.sub_tiles > MAX_WAIT_TILES:
+        raise ValueError(f"sync 3 takes at most {MAX_WAIT_TILES} sub_tiles, got {config.sub_tiles}")
     if config.l2_prefetch is not None and (not isinstance(config.l2_prefetch, int) or config.l2_prefetch < 0):
         raise ValueError(f"l2_prefetch must be None or a step count >= 0, got {config.l2_prefetch!r}")
     if config.matvec in (2, 4) and config.block_b >= 16:
@@ -717,7 +823,7 @@ def _launch(xw, w_hh, h0, c0, row_start, lengths, row_step, out, h_n, c_n, confi
     k = config.programs_per_tile
     n_tiles = runtime.cdiv(batch, config.block_b * config.sub_tiles)
     grid = (k, n_tiles, num_directions)
-    if config.sync == 2:
+    if config.sync >= 2:
         # slot 0: h0 tagged step 0; slot 1: tagged -1, never a step a reader waits for
         exchange = torch.empty((2, num_directions, batch, hidden), dtype=torch.int64, device=xw.device)
         exchange[0] = h0.view(torch.int32).to(torch.int64) & 0xFFFFFFFF
