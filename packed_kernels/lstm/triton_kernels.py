@@ -20,7 +20,7 @@ in global memory (it stays in L2), computes its ``U`` units of ``h_t`` and ``c_t
 (``c`` never leaves the program), writes its slice of ``h_t`` back and waits until
 the other ``K - 1`` programs have written theirs.
 
-The wait (``sync`` 2, the default) is carried by the data itself: every entry of the
+The wait (``sync`` 2 and 3) is carried by the data itself: every entry of the
 exchange buffer is one 64-bit word, the step number in its high half and the float32
 bits of ``h`` in its low half, written by one store that no reader can see half-done.
 A program polls its tile's ``h`` (volatile loads from L2) until every word carries the
