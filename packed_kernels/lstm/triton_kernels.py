@@ -276,6 +276,7 @@ _WAIT_CON_3 = tl.constexpr(_wait_constraints(3))
 
 @triton.jit
 def _poll_asm(words_t, read_slot, full_t, mask_full_t, step, SUB_TILES: tl.constexpr):
+    """One instance of :func:`_wait_asm`'s loop per word a thread holds of each tile."""
     if SUB_TILES == 1:
         return (tl.inline_asm_elementwise(_WAIT_ASM_1, _WAIT_CON_1,
                                           [words_t[0], read_slot + full_t[0], mask_full_t[0].to(tl.int32), step],
