@@ -163,6 +163,33 @@ def test_one_token_per_thread_kernels_match_tile_kernels(device, n, dtype):
                      triton_kernels.sinkhorn_unrolled_backward_triton(x, g, iters, tile=True), **tol)
 
 
+@pytest.mark.parametrize("n,iters", [(8, 20), (4, 30), (2, 40)], ids=lambda v: str(v))
+def test_unrolled_scratch_variant_loops_over_tiles(device, n, iters):
+    # n = 8, or more iterations than the registers keep: u_t of every iteration goes to a
+    # scratch buffer. More tiles than programs, so programs reuse their scratch, and a
+    # last tile that is partly past the end; the references are autograd through the
+    # float64 loop (on a sample) and the checkpointed tile kernel (on every token).
+    # The float64 autograd reference itself moves by up to 5e-10 from run to run on a
+    # multithreaded CPU (bit-identical with one thread), hence its looser tolerance.
+    block = triton_kernels._small_block(n, torch.float32)
+    if device == "cuda":
+        sms = torch.cuda.get_device_properties(0).multi_processor_count
+        T = 2 * sms * triton_kernels.SCRATCH_PROGRAMS_PER_SM * block + 7
+    else:
+        T = 5 * block + 7  # 4 programs in the interpreter
+    x64 = _logits((T, n, n), 3.0, seed=800 + n)  # peaked
+    g64 = _logits((T, n, n), 1.0, seed=900 + n)
+    sample = torch.arange(0, T, max(1, T // 40))
+    _, ref = _loop_reference(x64[sample], iters, g64[sample])
+    got64 = triton_kernels.sinkhorn_unrolled_backward_triton(x64.to(device), g64.to(device), iters)
+    assert_close("float64, sample", got64[sample.to(device)], ref, atol=1e-9, rtol=1e-7)
+    tiles = triton_kernels.sinkhorn_unrolled_backward_triton(x64.to(device), g64.to(device), iters, tile=True)
+    assert_close("float64, every token", got64, tiles, atol=1e-12, rtol=1e-10)
+    x32, g32 = x64.float().to(device), g64.float().to(device)
+    got32 = triton_kernels.sinkhorn_unrolled_backward_triton(x32, g32, iters)
+    assert_close("float32, every token", got32, tiles, atol=2e-5, rtol=1e-4)
+
+
 def test_unrolled_gradcheck(device):
     x = _logits((3, 3, 3), 1.5, seed=11).to(device).requires_grad_()
     assert torch.autograd.gradcheck(lambda t: sinkhorn(t, 6, backward="unrolled"), (x,), eps=1e-6, atol=1e-7)

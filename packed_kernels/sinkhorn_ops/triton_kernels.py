@@ -485,6 +485,104 @@ def sinkhorn_implicit_backward_small_kernel(R_ptr, grad_ptr, out_ptr, num_tokens
 
 
 @triton.jit
+def _shifted_exp_entries(x, n: tl.constexpr):
+    """``K = exp(X - colmax X)`` of one-token-per-thread entries ``x`` (natural order ``i n + j``)."""
+    K = ()
+    for k in tl.static_range(n * n):
+        col_max = x[k % n]
+        for i in tl.static_range(1, n):
+            col_max = tl.maximum(col_max, x[i * n + k % n])
+        K = K + (tl.exp(x[k] - col_max),)
+    return K
+
+
+@triton.jit
+def _column_step(K, u, n: tl.constexpr, FAST: tl.constexpr):
+    """``v = 1 / (K^T u)`` (``K`` in natural order, one token per thread)."""
+    v = ()
+    for j in tl.static_range(n):
+        col_sum = K[j] * u[0]
+        for i in tl.static_range(1, n):
+            col_sum += K[i * n + j] * u[i]
+        v = v + (_reciprocal(col_sum, FAST),)
+    return v
+
+
+@triton.jit
+def _row_step(K, v, n: tl.constexpr, FAST: tl.constexpr):
+    """``u = 1 / (K v)`` (``K`` in natural order, one token per thread)."""
+    u = ()
+    for i in tl.static_range(n):
+        row_sum = K[i * n] * v[0]
+        for j in tl.static_range(1, n):
+            row_sum += K[i * n + j] * v[j]
+        u = u + (_reciprocal(row_sum, FAST),)
+    return u
+
+
+@triton.jit
+def _reverse_start(K, G, u, v, n: tl.constexpr, FAST: tl.constexpr):
+    """Reverse mode through ``R = diag(u_T) K diag(v_T)``: ``(dK, du_T, dv_T)``."""
+    NN: tl.constexpr = n * n
+    dK = ()
+    for k in tl.static_range(NN):
+        dK = dK + (G[k] * u[k // n] * v[k % n],)
+    du = ()
+    for i in tl.static_range(n):
+        acc = dK[i * n] * K[i * n]
+        for j in tl.static_range(1, n):
+            acc += dK[i * n + j] * K[i * n + j]
+        du = du + (acc * _reciprocal(u[i], FAST),)
+    dv_out = ()
+    for j in tl.static_range(n):
+        acc = dK[j] * K[j]
+        for i in tl.static_range(1, n):
+            acc += dK[i * n + j] * K[i * n + j]
+        dv_out = dv_out + (acc * _reciprocal(v[j], FAST),)
+    return dK, du, dv_out
+
+
+@triton.jit
+def _reverse_step(K, dK, du, u_t, u_prev, v_t, dv_out, n: tl.constexpr, LAST: tl.constexpr):
+    """Reverse mode through iteration ``t``: ``(dK, du_{t-1})`` from ``du_t``.
+
+    ``LAST``: ``t`` is the last iteration, whose ``v_t`` also has the gradient
+    ``dv_out`` from ``R``.
+    """
+    NN: tl.constexpr = n * n
+    dq = ()
+    for i in tl.static_range(n):
+        dq = dq + (-du[i] * u_t[i] * u_t[i],)
+    dp = ()
+    for j in tl.static_range(n):
+        acc = K[j] * dq[0]
+        for i in tl.static_range(1, n):
+            acc += K[i * n + j] * dq[i]
+        if LAST:
+            acc += dv_out[j]
+        dp = dp + (-acc * v_t[j] * v_t[j],)
+    du_prev = ()
+    for i in tl.static_range(n):
+        acc = K[i * n] * dp[0]
+        for j in tl.static_range(1, n):
+            acc += K[i * n + j] * dp[j]
+        du_prev = du_prev + (acc,)
+    new_dK = ()
+    for k in tl.static_range(NN):
+        new_dK = new_dK + (dK[k] + dq[k // n] * v_t[k % n] + u_prev[k // n] * dp[k % n],)
+    return new_dK, du_prev
+
+
+@triton.jit
+def _store_dx(out_ptr, offsets, mask, dK, K, NN: tl.constexpr, BLOCK: tl.constexpr, BITS: tl.constexpr):
+    """``dX = dK * K`` (the column-max shift has zero gradient), stored as ``[BLOCK, NN]``."""
+    dX = ()
+    for k in tl.static_range(NN):
+        dX = dX + (dK[k] * K[k],)
+    tl.store(out_ptr + offsets, join_columns(dX, BLOCK, NN, BITS).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
 def sinkhorn_unrolled_backward_small_kernel(logits_ptr, grad_ptr, out_ptr, num_tokens,
                                             n: tl.constexpr, BITS: tl.constexpr, ITERS: tl.constexpr,
                                             BLOCK: tl.constexpr, FAST: tl.constexpr, COMPUTE: tl.constexpr):
@@ -509,79 +607,86 @@ def sinkhorn_unrolled_backward_small_kernel(logits_ptr, grad_ptr, out_ptr, num_t
     offsets = tok[:, None] * NN + tl.arange(0, NN)[None, :]
     mask = tok[:, None] < num_tokens
     x = split_columns(tl.load(logits_ptr + offsets, mask=mask, other=0.0).to(COMPUTE), BLOCK, NN, BITS)
-    K = ()  # natural order k = i * n + j
-    for k in tl.static_range(NN):
-        col_max = x[k % n]
-        for i in tl.static_range(1, n):
-            col_max = tl.maximum(col_max, x[i * n + k % n])
-        K = K + (tl.exp(x[k] - col_max),)
+    K = _shifted_exp_entries(x, n)
     u = ()
     for i in tl.static_range(n):
         u = u + (tl.full((BLOCK,), 1.0, COMPUTE),)
     us = (u,)  # us[t] = u_t
     vs = ()  # vs[t - 1] = v_t
     for _ in tl.static_range(ITERS):
-        v = ()
-        for j in tl.static_range(n):
-            col_sum = K[j] * u[0]
-            for i in tl.static_range(1, n):
-                col_sum += K[i * n + j] * u[i]
-            v = v + (_reciprocal(col_sum, FAST),)
-        u = ()
-        for i in tl.static_range(n):
-            row_sum = K[i * n] * v[0]
-            for j in tl.static_range(1, n):
-                row_sum += K[i * n + j] * v[j]
-            u = u + (_reciprocal(row_sum, FAST),)
+        v = _column_step(K, u, n, FAST)
+        u = _row_step(K, v, n, FAST)
         us = us + (u,)
         vs = vs + (v,)
     G = split_columns(tl.load(grad_ptr + offsets, mask=mask, other=0.0).to(COMPUTE), BLOCK, NN, BITS)
-    u = us[ITERS]  # v: the last iteration's, from the forward loop
-    dK = ()
-    for k in tl.static_range(NN):
-        dK = dK + (G[k] * u[k // n] * v[k % n],)
-    du = ()
-    for i in tl.static_range(n):
-        acc = dK[i * n] * K[i * n]
-        for j in tl.static_range(1, n):
-            acc += dK[i * n + j] * K[i * n + j]
-        du = du + (acc * _reciprocal(u[i], FAST),)
-    dv_out = ()
-    for j in tl.static_range(n):
-        acc = dK[j] * K[j]
-        for i in tl.static_range(1, n):
-            acc += dK[i * n + j] * K[i * n + j]
-        dv_out = dv_out + (acc * _reciprocal(v[j], FAST),)
+    dK, du, dv_out = _reverse_start(K, G, us[ITERS], v, n, FAST)  # v: the last iteration's
     for back in tl.static_range(ITERS):
-        u_t = us[ITERS - back]
-        u_prev = us[ITERS - back - 1]
-        v_t = vs[ITERS - back - 1]
-        dq = ()
+        dK, du = _reverse_step(K, dK, du, us[ITERS - back], us[ITERS - back - 1], vs[ITERS - back - 1], dv_out,
+                               n, back == 0)
+    _store_dx(out_ptr, offsets, mask, dK, K, NN, BLOCK, BITS)
+
+
+@triton.jit
+def sinkhorn_unrolled_backward_scratch_kernel(logits_ptr, grad_ptr, out_ptr, scratch_ptr, num_tokens, iters,
+                                              num_tiles, n: tl.constexpr, BITS: tl.constexpr,
+                                              BLOCK: tl.constexpr, FAST: tl.constexpr, COMPUTE: tl.constexpr):
+    """The unrolled backward of :func:`sinkhorn_unrolled_backward_small_kernel` for any
+    number of iterations, one token per thread, ``u_t`` kept in a scratch buffer.
+
+    Where the scaling vectors of every iteration do not fit in registers (``n`` = 8, or
+    many iterations), the forward loop (a run-time loop: no unrolling) stores each
+    ``u_t`` in this program's slice of ``scratch``, ``(iters + 1, n, BLOCK)`` per
+    program, and the reverse loop reads them back from the newest, recomputing
+    ``v_t = 1 / (K^T u_{t-1})`` (the same operations in the same order, so the same
+    bits). Programs loop over tiles of ``BLOCK`` tokens, so the scratch is a few MB
+    whatever the number of tokens, and stays in L2.
+    """
+    NN: tl.constexpr = n * n
+    pid = tl.program_id(0)
+    lanes = tl.arange(0, BLOCK)
+    cols = tl.arange(0, NN)
+    slot_size = n * BLOCK
+    base = scratch_ptr + pid.to(tl.int64) * (iters + 1) * slot_size + lanes
+    for tile in range(pid, num_tiles, tl.num_programs(0)):
+        tok = tile * BLOCK + lanes
+        offsets = tok[:, None].to(tl.int64) * NN + cols[None, :]
+        mask = tok[:, None] < num_tokens
+        x = split_columns(tl.load(logits_ptr + offsets, mask=mask, other=0.0).to(COMPUTE), BLOCK, NN, BITS)
+        K = _shifted_exp_entries(x, n)
+        u = ()
         for i in tl.static_range(n):
-            dq = dq + (-du[i] * u_t[i] * u_t[i],)
-        dp = ()
-        for j in tl.static_range(n):
-            acc = K[j] * dq[0]
-            for i in tl.static_range(1, n):
-                acc += K[i * n + j] * dq[i]
-            if back == 0:
-                acc += dv_out[j]
-            dp = dp + (-acc * v_t[j] * v_t[j],)
-        du = ()
-        for i in tl.static_range(n):
-            acc = K[i * n] * dp[0]
-            for j in tl.static_range(1, n):
-                acc += K[i * n + j] * dp[j]
-            du = du + (acc,)
-        new_dK = ()
-        for k in tl.static_range(NN):
-            new_dK = new_dK + (dK[k] + dq[k // n] * v_t[k % n] + u_prev[k // n] * dp[k % n],)
-        dK = new_dK
-    dX = ()
-    for k in tl.static_range(NN):
-        dX = dX + (dK[k] * K[k],)
-    out = join_columns(dX, BLOCK, NN, BITS)
-    tl.store(out_ptr + offsets, out.to(out_ptr.dtype.element_ty), mask=mask)
+            u = u + (tl.full((BLOCK,), 1.0, COMPUTE),)
+        _store_vector(base, u, n, BLOCK)
+        v = u
+        for t in range(iters):
+            v = _column_step(K, u, n, FAST)
+            u = _row_step(K, v, n, FAST)
+            _store_vector(base + (t + 1) * slot_size, u, n, BLOCK)
+        tl.debug_barrier()  # the reverse loop may read what other threads of the program wrote
+        G = split_columns(tl.load(grad_ptr + offsets, mask=mask, other=0.0).to(COMPUTE), BLOCK, NN, BITS)
+        dK, du, dv_out = _reverse_start(K, G, u, v, n, FAST)
+        u_prev = _load_vector(base + (iters - 1) * slot_size, n, BLOCK)
+        dK, du = _reverse_step(K, dK, du, u, u_prev, v, dv_out, n, True)
+        for back in range(1, iters):
+            u_t = u_prev
+            u_prev = _load_vector(base + (iters - 1 - back) * slot_size, n, BLOCK)
+            dK, du = _reverse_step(K, dK, du, u_t, u_prev, _column_step(K, u_prev, n, FAST), dv_out, n, False)
+        _store_dx(out_ptr, offsets, mask, dK, K, NN, BLOCK, BITS)
+        tl.debug_barrier()  # the next tile overwrites the scratch
+
+
+@triton.jit
+def _store_vector(ptrs, vec, n: tl.constexpr, BLOCK: tl.constexpr):
+    for i in tl.static_range(n):
+        tl.store(ptrs + i * BLOCK, vec[i])
+
+
+@triton.jit
+def _load_vector(ptrs, n: tl.constexpr, BLOCK: tl.constexpr):
+    vec = ()
+    for i in tl.static_range(n):
+        vec = vec + (tl.load(ptrs + i * BLOCK),)
+    return vec
 
 
 # ---------------------------------------------------------------------------------------
@@ -667,7 +772,8 @@ def segments(iters: int):
     return seg_len, num_segs, seg_len, _pow2(num_segs)
 
 
-#: most iterations the unrolled one-token-per-thread backward keeps in registers, per n
+#: most iterations the unrolled one-token-per-thread backward keeps in registers, per n;
+#: beyond, :func:`sinkhorn_unrolled_backward_scratch_kernel` keeps them in a scratch buffer
 SMALL_MAX_ITERS = {2: 32, 4: 24, 8: 0}
 #: register cap and tokens per program of the unrolled backward at n = 4, below float64:
 #: 168 registers (a few spills) let 12 warps share an SM instead of 8 (H200, 4M tokens,
@@ -686,6 +792,8 @@ def sinkhorn_unrolled_backward_triton(logits: torch.Tensor, grad_R: torch.Tensor
     if T == 0:
         return out
     N = _pow2(n)
+    if n in SMALL_N and iters > SMALL_MAX_ITERS[n] and not tile:
+        return _unrolled_backward_scratch(logits, grad_R, iters, out, block, num_warps)
     if n in SMALL_N and iters <= SMALL_MAX_ITERS[n] and not tile:
         tuned = logits.dtype != torch.float64  # the settings measured below float64 only
         if maxnreg is None and tuned:
@@ -706,6 +814,28 @@ def sinkhorn_unrolled_backward_triton(logits: torch.Tensor, grad_R: torch.Tensor
                                             FAST=_fast(logits.dtype),
                                             COMPUTE=_compute_dtype(logits.dtype),
                                             num_warps=num_warps or _warps(BLOCK, N))
+    return out
+
+
+#: programs per SM of the scratch variant of the unrolled backward (they loop over tiles)
+SCRATCH_PROGRAMS_PER_SM = 8
+
+
+def _unrolled_backward_scratch(logits, grad_R, iters, out, block, num_warps):
+    T, n, _ = logits.shape
+    BLOCK = block or _small_block(n, logits.dtype)
+    num_tiles = runtime.cdiv(T, BLOCK)
+    if runtime.INTERPRETED or logits.device.type != "cuda":
+        programs = min(num_tiles, 4)
+    else:
+        sms = torch.cuda.get_device_properties(logits.device).multi_processor_count
+        programs = min(num_tiles, sms * SCRATCH_PROGRAMS_PER_SM)
+    compute = torch.float64 if logits.dtype == torch.float64 else torch.float32
+    scratch = torch.empty((programs, iters + 1, n, BLOCK), dtype=compute, device=logits.device)
+    sinkhorn_unrolled_backward_scratch_kernel[(programs,)](
+        logits, grad_R, out, scratch, T, iters, num_tiles, n=n, BITS=2 * (_pow2(n).bit_length() - 1),
+        BLOCK=BLOCK, FAST=_fast(logits.dtype), COMPUTE=_compute_dtype(logits.dtype),
+        num_warps=num_warps or max(1, BLOCK // 32))
     return out
 
 
