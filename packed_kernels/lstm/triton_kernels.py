@@ -235,7 +235,8 @@ def _load_tiles_words(read_slot, full_t, mask_full_t, SUB_TILES: tl.constexpr):
     return packed_t
 
 
-def _wait_asm(tiles: int) -> str:
+@triton.constexpr_function
+def _wait_asm(tiles):
     """PTX of the poll loop of :func:`_wait_tiles_words` over one word of each of ``tiles`` tiles.
 
     Operands: ``$0 .. $(n-1)`` the words returned; then per tile the word first
@@ -244,7 +245,7 @@ def _wait_asm(tiles: int) -> str:
     ``bar.red.or`` (a CTA barrier: every thread runs the same passes) and, while any
     thread saw one, reloads this thread's words (volatile, served by L2).
     """
-    n = tiles
+    n = int(tiles)
     lines = ["{", ".reg .pred p, t, q;", ".reg .b32 lo, tag;"]
     for i in range(n):
         lines += [f".reg .pred w{i};", f".reg .b64 v{i};",
@@ -260,40 +261,32 @@ def _wait_asm(tiles: int) -> str:
     return "\n".join(lines + ["}"])
 
 
-def _wait_constraints(tiles: int) -> str:
-    return ",".join(["=l"] * tiles + ["l"] * (2 * tiles) + ["r"] * (tiles + 1))
+@triton.constexpr_function
+def _wait_constraints(tiles):
+    n = int(tiles)
+    return ",".join(["=l"] * n + ["l"] * (2 * n) + ["r"] * (n + 1))
 
 
-#: most tiles per program the PTX poll loop (``sync`` 3) is written for
+@triton.constexpr_function
+def _words_dtypes(tiles):
+    return (tl.int64,) * int(tiles)  # a tuple even for one tile: the asm returns a tuple
+
+
+#: most tiles per program the PTX poll loop (``sync`` 3) was measured and tested with
 MAX_WAIT_TILES = 3
-_WAIT_ASM_1 = tl.constexpr(_wait_asm(1))
-_WAIT_ASM_2 = tl.constexpr(_wait_asm(2))
-_WAIT_ASM_3 = tl.constexpr(_wait_asm(3))
-_WAIT_CON_1 = tl.constexpr(_wait_constraints(1))
-_WAIT_CON_2 = tl.constexpr(_wait_constraints(2))
-_WAIT_CON_3 = tl.constexpr(_wait_constraints(3))
 
 
 @triton.jit
 def _poll_asm(words_t, read_slot, full_t, mask_full_t, step, SUB_TILES: tl.constexpr):
     """One instance of :func:`_wait_asm`'s loop per word a thread holds of each tile."""
-    if SUB_TILES == 1:
-        return (tl.inline_asm_elementwise(_WAIT_ASM_1, _WAIT_CON_1,
-                                          [words_t[0], read_slot + full_t[0], mask_full_t[0].to(tl.int32), step],
-                                          dtype=tl.int64, is_pure=False, pack=1),)
-    elif SUB_TILES == 2:
-        return tl.inline_asm_elementwise(_WAIT_ASM_2, _WAIT_CON_2,
-                                         [words_t[0], words_t[1], read_slot + full_t[0], read_slot + full_t[1],
-                                          mask_full_t[0].to(tl.int32), mask_full_t[1].to(tl.int32), step],
-                                         dtype=(tl.int64, tl.int64), is_pure=False, pack=1)
-    else:
-        tl.static_assert(SUB_TILES == 3, "the PTX poll loop takes 1 to 3 tiles")
-        return tl.inline_asm_elementwise(_WAIT_ASM_3, _WAIT_CON_3,
-                                         [words_t[0], words_t[1], words_t[2], read_slot + full_t[0],
-                                          read_slot + full_t[1], read_slot + full_t[2],
-                                          mask_full_t[0].to(tl.int32), mask_full_t[1].to(tl.int32),
-                                          mask_full_t[2].to(tl.int32), step],
-                                         dtype=(tl.int64, tl.int64, tl.int64), is_pure=False, pack=1)
+    ptrs_t = ()
+    masks_t = ()
+    for r in tl.static_range(SUB_TILES):
+        ptrs_t = ptrs_t + (read_slot + full_t[r],)
+        masks_t = masks_t + (mask_full_t[r].to(tl.int32),)
+    return tl.inline_asm_elementwise(_wait_asm(SUB_TILES), _wait_constraints(SUB_TILES),
+                                     words_t + ptrs_t + masks_t + (step,), dtype=_words_dtypes(SUB_TILES),
+                                     is_pure=False, pack=1)
 
 
 @triton.jit
