@@ -73,6 +73,11 @@ def next_power_of_2(n: int) -> int:
     return 1 << (int(n) - 1).bit_length() if n > 0 else 0
 
 
+def sm_count(device: torch.device) -> int:
+    """The number of SMs of the CUDA ``device``."""
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
 def register_cap(cap: Optional[int]) -> dict:
     """Launch options capping a kernel's registers per thread at ``cap`` (``None``: the
     compiler's choice). Empty under the interpreter, which compiles nothing."""

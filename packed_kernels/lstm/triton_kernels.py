@@ -618,10 +618,6 @@ class RecurrenceConfig:
     sub_tiles: int = 1
 
 
-def _sm_count(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
 def _l2_bytes(device: torch.device) -> int:
     if device.type != "cuda":
         return 0
@@ -654,7 +650,7 @@ def choose_config(batch: int, hidden: int, num_directions: int, device: torch.de
     if runtime.INTERPRETED or device.type != "cuda":
         # The interpreter runs programs one after another: no cross-program waits.
         return RecurrenceConfig(1, min(runtime.next_power_of_2(max(batch, 1)), 16), 0, 0, 4)
-    sms = _sm_count(device)
+    sms = runtime.sm_count(device)
     best = None
     for units in (16, 32, 64):
         units = min(units, block_h)
@@ -788,7 +784,7 @@ def lstm_recurrence(
             w_hh_t = w_hh.view(num_directions, 4, hidden, hidden).transpose(2, 3).contiguous()
         w_hh = w_hh_t
     if k > 1:
-        sms = _sm_count(xw.device)
+        sms = runtime.sm_count(xw.device)
         # Co-residency: every program of a launch may wait for any other of its tile, so
         # a launch holds at most one program per SM; larger batches take several launches.
         max_tiles = sms // (num_directions * k)

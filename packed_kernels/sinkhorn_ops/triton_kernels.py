@@ -828,8 +828,7 @@ def _unrolled_backward_scratch(logits, grad_R, iters, out, block, num_warps):
     if runtime.INTERPRETED or logits.device.type != "cuda":
         programs = min(num_tiles, 4)
     else:
-        sms = torch.cuda.get_device_properties(logits.device).multi_processor_count
-        programs = min(num_tiles, sms * SCRATCH_PROGRAMS_PER_SM)
+        programs = min(num_tiles, runtime.sm_count(logits.device) * SCRATCH_PROGRAMS_PER_SM)
     compute = torch.float64 if logits.dtype == torch.float64 else torch.float32
     scratch = torch.empty((programs, iters + 1, n, BLOCK), dtype=compute, device=logits.device)
     sinkhorn_unrolled_backward_scratch_kernel[(programs,)](
