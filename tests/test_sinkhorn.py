@@ -154,13 +154,55 @@ def test_one_token_per_thread_kernels_match_tile_kernels(device, n, dtype):
     tol = dict(atol=1e-13, rtol=1e-11) if dtype == torch.float64 else dict(atol=2e-5, rtol=2e-4)
     R = triton_kernels.sinkhorn_forward_triton(x, 20)
     assert_close("forward", R, triton_kernels.sinkhorn_forward_triton(x, 20, tile=True), **tol)
-    # reciprocals by Newton steps in place of the special-function unit (float32 only)
-    assert_close("forward, newton", triton_kernels.sinkhorn_forward_triton(x, 20, newton=2), R, **tol)
+    # every reciprocal its own (no pairs of sums sharing one)
+    assert_close("forward, unpaired", triton_kernels.sinkhorn_forward_triton(x, 20, pairs=0), R, **tol)
     assert_close("implicit", triton_kernels.sinkhorn_implicit_backward_triton(R, g),
                  triton_kernels.sinkhorn_implicit_backward_triton(R, g, tile=True), **tol)
     for iters in (1, 20):
         assert_close(f"unrolled it{iters}", triton_kernels.sinkhorn_unrolled_backward_triton(x, g, iters),
                      triton_kernels.sinkhorn_unrolled_backward_triton(x, g, iters, tile=True), **tol)
+
+
+@pytest.mark.parametrize("n", triton_kernels.STAGGERED_N, ids=lambda n: f"n{n}")
+def test_forward_pairs_only_where_products_stay_normal(device, n):
+    # Where n <= 4, two sums share one reciprocal, 1/(ab), on tiles whose smallest
+    # entry of K passes the bound of _pairing_safe. Token 150 (second tile) has its
+    # first n/2 rows about e^-70 below the others. At n = 4 the product of its two
+    # small row sums underflows float32, so a shared reciprocal there gives inf and
+    # NaN. Its tile must take plain reciprocals (the same bits as pairs=0); every
+    # token is checked against the float64 loop.
+    block = triton_kernels._small_block(n, torch.float32)
+    T = 3 * block + 5
+    x64 = _logits((T, n, n), 2.0, seed=950 + n)
+    x64[150, : n // 2] -= 70.0
+    x = x64.float()
+    ref, _ = _loop_reference(x.double(), 20)
+    assert bool(torch.isfinite(ref).all())
+    R = triton_kernels.sinkhorn_forward_triton(x.to(device), 20)
+    assert_close("R", R, ref, atol=2e-6, rtol=1e-5)
+    unpaired = triton_kernels.sinkhorn_forward_triton(x.to(device), 20, pairs=0)
+    tile = slice(block, 2 * block)
+    assert torch.equal(R[tile], unpaired[tile])  # the guarded tile: plain reciprocals, same bits
+
+
+@pytest.mark.parametrize("n", [2, 4, 8])
+def test_pairing_bound_on_the_sums_holds(n):
+    # The bound behind _pairing_safe, checked on the float64 iterates: with the entries
+    # of K = exp(X - colmax X) in [kappa, 1], every column sum K^T u stays in
+    # [kappa, n / kappa] and every row sum K v in [kappa, 1 / kappa], at every iteration.
+    g = torch.Generator().manual_seed(n)
+    for spread in (1.0, 10.0, 30.0):
+        x = torch.rand((200, n, n), generator=g, dtype=torch.float64) * -spread
+        K = torch.exp(x - x.amax(dim=-2, keepdim=True))
+        kappa = K.amin(dim=(-2, -1), keepdim=True)[..., 0]
+        u = torch.ones(200, n, dtype=torch.float64)
+        for _ in range(200):
+            p = (K * u[:, :, None]).sum(-2)
+            assert bool((p >= kappa * (1 - 1e-12)).all() and (p <= n / kappa * (1 + 1e-12)).all())
+            v = 1 / p
+            q = (K * v[:, None, :]).sum(-1)
+            assert bool((q >= kappa * (1 - 1e-12)).all() and (q <= 1 / kappa * (1 + 1e-12)).all())
+            u = 1 / q
 
 
 @pytest.mark.parametrize("n,iters", [(8, 20), (4, 30), (2, 40)], ids=lambda v: str(v))

@@ -327,75 +327,145 @@ def sinkhorn_implicit_backward_kernel(R_ptr, grad_ptr, out_ptr, num_tokens, cg_i
 # additions. The forward also iterates on the scaling vectors instead of the matrix.
 
 
-@triton.jit
-def _reciprocal_newton(x):
-    """``1/x`` by multiply-adds only, to unload the special-function unit (float32, normal x).
+#: smallest entry of ``K = exp(X - colmax X)`` for which pairing reciprocals is safe in
+#: float32: every row and column sum of every iterate then lies in ``[kappa, n / kappa]``,
+#: so the product of two sums and its reciprocal stay far inside the normal range
+PAIRING_MIN_ENTRY = tl.constexpr(2.0 ** -50)
+#: most iterations for which that bound is used (rounding could drift it over very many)
+PAIRING_MAX_ITERS = tl.constexpr(1 << 20)
 
-    A bit-level first guess (the exponent negated, about 12% off) and three Newton
-    steps ``y <- y + y (1 - x y)``, each squaring the relative error: 0.12 -> 1.4e-2 ->
-    2e-4 -> 4e-8, below float32 rounding.
+
+@triton.jit
+def _pairing_safe(KA, KB, iters, NN: tl.constexpr):
+    """Whether every token of the tile may share one reciprocal between two sums.
+
+    For ``K`` with entries in ``[kappa, 1]`` and a 1 in every column, the iterates
+    started from ``u = 1`` are sandwiched between multiples of the Sinkhorn scaling
+    (the iteration map is monotone and homogeneous of degree one), which bounds
+    every column sum to ``[kappa, n / kappa]`` and every row sum to
+    ``[kappa, 1 / kappa]``. With ``kappa >= 2^-50`` and ``n <= 8`` a product of two
+    sums lies in ``[2^-100, 2^106]``: no overflow, no flush to zero. Zero entries
+    (logits ``-inf`` or far below their column) and NaN fail the test.
     """
-    y = (0x7EF311C3 - x.to(tl.int32, bitcast=True)).to(tl.float32, bitcast=True)
-    for _ in tl.static_range(3):
-        y = y + y * (1.0 - x * y)
-    return y
+    smallest = KA[0]
+    for k in tl.static_range(1, NN):
+        smallest = tl.minimum(smallest, KA[k])
+    for k in tl.static_range(NN):
+        smallest = tl.minimum(smallest, KB[k])
+    return (tl.min(smallest, axis=0) >= PAIRING_MIN_ENTRY) & (iters <= PAIRING_MAX_ITERS)
+
+
+@triton.jit
+def _iterate_staggered(KA, KB, iters, n: tl.constexpr, HALF: tl.constexpr, FAST: tl.constexpr,
+                       PAIRS: tl.constexpr):
+    """``iters`` iterations on the scaling vectors of two tokens per thread, token B half
+    an iteration behind token A: ``(u_A, v_A, u_B, v_B)``.
+
+    Each half-step is ``n`` dependent sums (multiply-adds) followed by ``n`` reciprocals
+    (special-function unit). With B's sums computed in the same stretch of code as A's
+    reciprocals and the other way round, both units have independent work at every
+    point of the loop; with the two tokens in step, each warp waits for one unit while
+    the other idles.
+    """
+    u_a = ()
+    for i in tl.static_range(n):
+        u_a = u_a + (tl.full((HALF,), 1.0, KA[0].dtype),)
+    v_a = u_a
+    u_b = u_a
+    v_b = u_a
+    p_b = _column_sums(KB, u_b, n)
+    for _ in range(iters):
+        p_a = _column_sums(KA, u_a, n)
+        v_b = _reciprocals(p_b, n, FAST, PAIRS)
+        v_a = _reciprocals(p_a, n, FAST, PAIRS)
+        q_b = _row_sums(KB, v_b, n)
+        q_a = _row_sums(KA, v_a, n)
+        u_b = _reciprocals(q_b, n, FAST, PAIRS)
+        u_a = _reciprocals(q_a, n, FAST, PAIRS)
+        p_b = _column_sums(KB, u_b, n)  # (wasted after the last iteration)
+    return u_a, v_a, u_b, v_b
+
+
+@triton.jit
+def _scaled_entries(u, K, v, n: tl.constexpr):
+    """``R = diag(u) K diag(v)`` entry by entry (natural order)."""
+    R = ()
+    for k in tl.static_range(n * n):
+        R = R + (u[k // n] * K[k] * v[k % n],)
+    return R
+
+
+@triton.jit
+def _matrices(ptr, first, num_tokens, NN: tl.constexpr, ROWS: tl.constexpr):
+    """Pointers and mask of ``ROWS`` matrices from token ``first`` on, one per thread.
+
+    The tile's start is a 64-bit scalar and the offsets inside it 32-bit: 64-bit
+    offsets per element cost about 30 registers a thread at ``n = 8``.
+    """
+    rows = tl.arange(0, ROWS)
+    ptrs = ptr + first.to(tl.int64) * NN + (rows[:, None] * NN + tl.arange(0, NN)[None, :])
+    return ptrs, (first + rows)[:, None] < num_tokens
+
+
+@triton.jit
+def _load_matrices(ptr, first, num_tokens, NN: tl.constexpr, ROWS: tl.constexpr, BITS: tl.constexpr,
+                   COMPUTE: tl.constexpr):
+    """Entries (natural order) of ``ROWS`` matrices from token ``first`` on, one per thread."""
+    ptrs, mask = _matrices(ptr, first, num_tokens, NN, ROWS)
+    return split_columns(tl.load(ptrs, mask=mask, other=0.0).to(COMPUTE), ROWS, NN, BITS)
+
+
+@triton.jit
+def _store_matrices(ptr, entries, first, num_tokens, NN: tl.constexpr, ROWS: tl.constexpr, BITS: tl.constexpr):
+    """Inverse of :func:`_load_matrices`."""
+    ptrs, mask = _matrices(ptr, first, num_tokens, NN, ROWS)
+    tl.store(ptrs, join_columns(entries, ROWS, NN, BITS).to(ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
 def sinkhorn_forward_small_kernel(logits_ptr, out_ptr, num_tokens, iters,
                                   n: tl.constexpr, BITS: tl.constexpr, BLOCK: tl.constexpr,
-                                  FAST: tl.constexpr, COMPUTE: tl.constexpr, NEWTON: tl.constexpr = 0):
-    """Forward for ``n`` in 2, 4, 8, one token per thread, on the scaling vectors.
+                                  FAST: tl.constexpr, COMPUTE: tl.constexpr, STAGGER: tl.constexpr,
+                                  PAIRS: tl.constexpr):
+    """Forward for ``n`` in 2, 4, 8, whole matrices in one thread, on the scaling vectors.
 
     With ``K = exp(X - colmax X)``, every iterate is ``diag(u) K diag(v)``: the column
     step sets ``v = 1 / (K^T u)``, the row step ``u = 1 / (K v)`` (``u = 1`` at the
     start), and ``R = diag(u) K diag(v)`` at the end: the same map as the matrix
     iterations, in ``2 n^2`` multiply-adds and ``2n`` reciprocals per iteration.
-    ``NEWTON`` of the ``n`` reciprocals of each half-step use :func:`_reciprocal_newton`
-    (float32 only), balancing the special-function unit against the multiply-add units.
+
+    ``STAGGER``: each thread takes two tokens, the second half an iteration behind
+    (:func:`_iterate_staggered`), ``BLOCK // 2`` threads a program. ``PAIRS`` (with
+    ``STAGGER``): that many pairs of sums per half-step share one reciprocal,
+    ``r = 1 / (ab)``, ``1/a = b r``, ``1/b = a r``, on tiles where
+    :func:`_pairing_safe` says the products cannot leave the normal range (other
+    tiles take plain reciprocals).
     """
     NN: tl.constexpr = n * n
-    tok = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    offsets = tok[:, None] * NN + tl.arange(0, NN)[None, :]
-    mask = tok[:, None] < num_tokens
-    x = split_columns(tl.load(logits_ptr + offsets, mask=mask, other=0.0).to(COMPUTE), BLOCK, NN, BITS)
-    K = ()  # K[j][i]: column j
-    for j in tl.static_range(n):
-        col_max = x[j]
-        for i in tl.static_range(1, n):
-            col_max = tl.maximum(col_max, x[i * n + j])
-        column = ()
-        for i in tl.static_range(n):
-            column = column + (tl.exp(x[i * n + j] - col_max),)
-        K = K + (column,)
-    u = ()
-    for i in tl.static_range(n):
-        u = u + (tl.full((BLOCK,), 1.0, COMPUTE),)
-    v = u
-    for _ in range(iters):
-        v = ()
-        for j in tl.static_range(n):
-            col_sum = K[j][0] * u[0]
-            for i in tl.static_range(1, n):
-                col_sum += K[j][i] * u[i]
-            if j < NEWTON:
-                v = v + (_reciprocal_newton(col_sum),)
+    first = tl.program_id(0) * BLOCK
+    if STAGGER:
+        HALF: tl.constexpr = BLOCK // 2
+        K_a = _shifted_exp_entries(_load_matrices(logits_ptr, first, num_tokens, NN, HALF, BITS, COMPUTE), n)
+        K_b = _shifted_exp_entries(_load_matrices(logits_ptr, first + HALF, num_tokens, NN, HALF, BITS, COMPUTE), n)
+        if PAIRS > 0:
+            if _pairing_safe(K_a, K_b, iters, NN):
+                u_a, v_a, u_b, v_b = _iterate_staggered(K_a, K_b, iters, n, HALF, FAST, PAIRS)
             else:
-                v = v + (_reciprocal(col_sum, FAST),)
-        u = ()
+                u_a, v_a, u_b, v_b = _iterate_staggered(K_a, K_b, iters, n, HALF, FAST, 0)
+        else:
+            u_a, v_a, u_b, v_b = _iterate_staggered(K_a, K_b, iters, n, HALF, FAST, 0)
+        _store_matrices(out_ptr, _scaled_entries(u_b, K_b, v_b, n), first + HALF, num_tokens, NN, HALF, BITS)
+    else:
+        K_a = _shifted_exp_entries(_load_matrices(logits_ptr, first, num_tokens, NN, BLOCK, BITS, COMPUTE), n)
+        u_a = ()
         for i in tl.static_range(n):
-            row_sum = K[0][i] * v[0]
-            for j in tl.static_range(1, n):
-                row_sum += K[j][i] * v[j]
-            if i < NEWTON:
-                u = u + (_reciprocal_newton(row_sum),)
-            else:
-                u = u + (_reciprocal(row_sum, FAST),)
-    R = ()
-    for k in tl.static_range(NN):
-        R = R + (u[k // n] * K[k % n][k // n] * v[k % n],)
-    out = join_columns(R, BLOCK, NN, BITS)
-    tl.store(out_ptr + offsets, out.to(out_ptr.dtype.element_ty), mask=mask)
+            u_a = u_a + (tl.full((BLOCK,), 1.0, COMPUTE),)
+        v_a = u_a
+        for _ in range(iters):
+            v_a = _column_step(K_a, u_a, n, FAST)
+            u_a = _row_step(K_a, v_a, n, FAST)
+        HALF: tl.constexpr = BLOCK
+    _store_matrices(out_ptr, _scaled_entries(u_a, K_a, v_a, n), first, num_tokens, NN, HALF, BITS)
 
 
 @triton.jit
@@ -497,27 +567,53 @@ def _shifted_exp_entries(x, n: tl.constexpr):
 
 
 @triton.jit
-def _column_step(K, u, n: tl.constexpr, FAST: tl.constexpr):
-    """``v = 1 / (K^T u)`` (``K`` in natural order, one token per thread)."""
-    v = ()
+def _column_sums(K, u, n: tl.constexpr):
+    """``K^T u`` (``K`` in natural order, one token per thread)."""
+    p = ()
     for j in tl.static_range(n):
         col_sum = K[j] * u[0]
         for i in tl.static_range(1, n):
             col_sum += K[i * n + j] * u[i]
-        v = v + (_reciprocal(col_sum, FAST),)
-    return v
+        p = p + (col_sum,)
+    return p
+
+
+@triton.jit
+def _row_sums(K, v, n: tl.constexpr):
+    """``K v`` (``K`` in natural order, one token per thread)."""
+    q = ()
+    for i in tl.static_range(n):
+        row_sum = K[i * n] * v[0]
+        for j in tl.static_range(1, n):
+            row_sum += K[i * n + j] * v[j]
+        q = q + (row_sum,)
+    return q
+
+
+@triton.jit
+def _reciprocals(s, n: tl.constexpr, FAST: tl.constexpr, PAIRS: tl.constexpr):
+    """``1 / s`` entry by entry; the first ``PAIRS`` pairs ``(s_0, s_1), (s_2, s_3), ...``
+    share one reciprocal (see :func:`_pairing_safe` for when that is safe)."""
+    r = ()
+    for p in tl.static_range(n // 2):
+        if p < PAIRS:
+            shared = _reciprocal(s[2 * p] * s[2 * p + 1], FAST)
+            r = r + (shared * s[2 * p + 1], shared * s[2 * p])
+        else:
+            r = r + (_reciprocal(s[2 * p], FAST), _reciprocal(s[2 * p + 1], FAST))
+    return r
+
+
+@triton.jit
+def _column_step(K, u, n: tl.constexpr, FAST: tl.constexpr):
+    """``v = 1 / (K^T u)`` (``K`` in natural order, one token per thread)."""
+    return _reciprocals(_column_sums(K, u, n), n, FAST, 0)
 
 
 @triton.jit
 def _row_step(K, v, n: tl.constexpr, FAST: tl.constexpr):
     """``u = 1 / (K v)`` (``K`` in natural order, one token per thread)."""
-    u = ()
-    for i in tl.static_range(n):
-        row_sum = K[i * n] * v[0]
-        for j in tl.static_range(1, n):
-            row_sum += K[i * n + j] * v[j]
-        u = u + (_reciprocal(row_sum, FAST),)
-    return u
+    return _reciprocals(_row_sums(K, v, n), n, FAST, 0)
 
 
 @triton.jit
@@ -726,12 +822,20 @@ def _fast(dtype: torch.dtype) -> bool:
     return dtype != torch.float64 and not runtime.INTERPRETED
 
 
+#: n whose forward takes two tokens per thread, half an iteration apart (at n = 8 a
+#: thread's registers hold one token; H200, 2026-12-01: 0.21 ms one token per thread,
+#: 0.30 ms two); and pairs of sums per half-step sharing a reciprocal there (below float64)
+STAGGERED_N = (2, 4)
+FORWARD_PAIRS = {2: 1, 4: 1}
+
+
 @runtime.on_inputs_device
 def sinkhorn_forward_triton(logits: torch.Tensor, iters: int, *, block: int = 0, num_warps: int = 0,
-                            flat=None, tile: bool = False, newton: int = 0) -> torch.Tensor:
+                            flat=None, tile: bool = False, pairs: Optional[int] = None) -> torch.Tensor:
     """``(T, n, n)`` contiguous logits -> ``(T, n, n)`` doubly stochastic (approximately) ``R``.
 
-    ``n`` in :data:`SMALL_N` uses the one-token-per-thread kernel unless ``tile``.
+    ``n`` in :data:`SMALL_N` uses the one-token-per-thread kernel unless ``tile``;
+    ``pairs`` overrides :data:`FORWARD_PAIRS` (``n`` in :data:`STAGGERED_N`).
     """
     T, n, _ = logits.shape
     out = torch.empty_like(logits)
@@ -739,13 +843,17 @@ def sinkhorn_forward_triton(logits: torch.Tensor, iters: int, *, block: int = 0,
         return out
     N = _pow2(n)
     if n in SMALL_N and not tile:
+        stagger = n in STAGGERED_N
+        if pairs is None:
+            pairs = FORWARD_PAIRS.get(n, 0) if logits.dtype != torch.float64 else 0
         BLOCK = block or _small_block(n, logits.dtype)
         grid = (runtime.cdiv(T, BLOCK),)
+        threads = BLOCK // 2 if stagger else BLOCK
         sinkhorn_forward_small_kernel[grid](logits, out, T, iters, n=n, BITS=2 * (N.bit_length() - 1),
                                             BLOCK=BLOCK, FAST=_fast(logits.dtype),
-                                            NEWTON=newton if logits.dtype != torch.float64 else 0,
-                                            COMPUTE=_compute_dtype(logits.dtype),
-                                            num_warps=num_warps or max(1, BLOCK // 32))
+                                            COMPUTE=_compute_dtype(logits.dtype), STAGGER=stagger,
+                                            PAIRS=pairs if stagger else 0,
+                                            num_warps=num_warps or max(1, threads // 32))
         return out
     BLOCK = block or _block_tokens(N, 2048)
     grid = (runtime.cdiv(T, BLOCK),)
