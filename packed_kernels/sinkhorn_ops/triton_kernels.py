@@ -345,7 +345,8 @@ def _pairing_safe(KA, KB, iters, NN: tl.constexpr):
     every column sum to ``[kappa, n / kappa]`` and every row sum to
     ``[kappa, 1 / kappa]``. With ``kappa >= 2^-50`` and ``n <= 8`` a product of two
     sums lies in ``[2^-100, 2^106]``: no overflow, no flush to zero. Zero entries
-    (logits ``-inf`` or far below their column) and NaN fail the test.
+    (logits ``-inf`` or far below their column) fail the test; a NaN token gives
+    NaN on either path.
     """
     smallest = KA[0]
     for k in tl.static_range(1, NN):
