@@ -194,6 +194,30 @@ def test_forward_pairs_only_where_products_stay_normal(device, n):
     assert torch.equal(R[tile], unpaired[tile])  # the guarded tile: plain reciprocals, same bits
 
 
+@pytest.mark.parametrize("n,iters", [(4, 20), (8, 20), (3, 5)], ids=lambda v: str(v))
+def test_launchers_split_inputs_beyond_32_bit_offsets(device, n, iters, monkeypatch):
+    # Inputs of more than MAX_LAUNCH_ELEMENTS elements run in slices of whole tokens
+    # (the kernels index with 32-bit offsets). With the limit lowered, every launcher
+    # must give the same bits as one launch. Token 140 is peaked (see the pairing test
+    # above): slices that moved tile boundaries would move tokens 128 to 139 between a
+    # tile that shares reciprocals and one that does not.
+    x = _logits((300, n, n), 1.0, seed=960 + n, dtype=torch.float32).to(device)
+    g = _logits((300, n, n), 1.0, seed=970 + n, dtype=torch.float32).to(device)
+    peaked = x.clone()
+    peaked[140, : n // 2] -= 70.0
+    R = triton_kernels.sinkhorn_forward_triton(x, iters)
+    whole = (triton_kernels.sinkhorn_forward_triton(peaked, iters),
+             triton_kernels.sinkhorn_unrolled_backward_triton(x, g, iters),
+             triton_kernels.sinkhorn_implicit_backward_triton(R, g))
+    monkeypatch.setattr(triton_kernels, "MAX_LAUNCH_ELEMENTS", 130 * n * n)
+    assert [(p.start, p.stop) for p in triton_kernels._token_slices(300, n)] == [(0, 128), (128, 256), (256, 300)]
+    sliced = (triton_kernels.sinkhorn_forward_triton(peaked, iters),
+              triton_kernels.sinkhorn_unrolled_backward_triton(x, g, iters),
+              triton_kernels.sinkhorn_implicit_backward_triton(R, g))
+    for name, a, b in zip(("forward", "unrolled", "implicit"), sliced, whole):
+        assert torch.equal(a, b), name
+
+
 @pytest.mark.parametrize("n", [2, 4, 8])
 def test_pairing_bound_on_the_sums_holds(n):
     # The bound behind _pairing_safe, checked on the float64 iterates: with the entries

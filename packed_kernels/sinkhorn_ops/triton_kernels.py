@@ -823,6 +823,28 @@ def _fast(dtype: torch.dtype) -> bool:
     return dtype != torch.float64 and not runtime.INTERPRETED
 
 
+#: most elements one launch touches per tensor: the kernels index within a launch with
+#: 32-bit offsets, so the launchers run bigger inputs in slices of whole tokens
+MAX_LAUNCH_ELEMENTS = 1 << 30
+
+
+def _token_slices(T: int, n: int):
+    """Slices of at most :data:`MAX_LAUNCH_ELEMENTS` elements, starting at multiples of
+    128 tokens: the kernels' tiles then fall where one launch would put them (a tile
+    decides whether it shares reciprocals), and every slice keeps 16-byte alignment."""
+    per = max(128, MAX_LAUNCH_ELEMENTS // (n * n) // 128 * 128)
+    return [slice(start, min(T, start + per)) for start in range(0, T, per)]
+
+
+def _sliced(launcher, tensors, *args, **kwargs) -> torch.Tensor:
+    """``launcher`` over :func:`_token_slices` of ``tensors`` (same first dimension)."""
+    T, n, _ = tensors[0].shape
+    out = torch.empty_like(tensors[0])
+    for part in _token_slices(T, n):
+        out[part] = launcher(*(t[part] for t in tensors), *args, **kwargs)
+    return out
+
+
 #: n whose forward takes two tokens per thread, half an iteration apart (at n = 8 a
 #: thread's registers hold one token; H200, 2026-12-01: 0.21 ms one token per thread,
 #: 0.30 ms two); and pairs of sums per half-step sharing a reciprocal there (below float64)
@@ -839,6 +861,9 @@ def sinkhorn_forward_triton(logits: torch.Tensor, iters: int, *, block: int = 0,
     ``pairs`` overrides :data:`FORWARD_PAIRS` (``n`` in :data:`STAGGERED_N`).
     """
     T, n, _ = logits.shape
+    if T * n * n > MAX_LAUNCH_ELEMENTS:
+        return _sliced(sinkhorn_forward_triton, (logits,), iters, block=block, num_warps=num_warps, flat=flat,
+                       tile=tile, pairs=pairs)
     out = torch.empty_like(logits)
     if T == 0:
         return out
@@ -897,6 +922,9 @@ def sinkhorn_unrolled_backward_triton(logits: torch.Tensor, grad_R: torch.Tensor
                                       tile: bool = False, maxnreg: Optional[int] = None) -> torch.Tensor:
     """``(T, n, n)`` logits and ``dL/dR`` -> ``dL/dlogits`` of the ``iters``-step map."""
     T, n, _ = logits.shape
+    if T * n * n > MAX_LAUNCH_ELEMENTS:
+        return _sliced(sinkhorn_unrolled_backward_triton, (logits, grad_R), iters, block=block,
+                       num_warps=num_warps, flat=flat, tile=tile, maxnreg=maxnreg)
     out = torch.empty_like(logits)
     if T == 0:
         return out
@@ -952,6 +980,9 @@ def sinkhorn_implicit_backward_triton(R: torch.Tensor, grad_R: torch.Tensor, cg_
                                       block: int = 0, num_warps: int = 0, flat=None, tile: bool = False) -> torch.Tensor:
     """``(T, n, n)`` ``R`` and ``dL/dR`` -> implicit ``dL/dlogits`` (direct solve, or CG if ``cg_iters``)."""
     T, n, _ = R.shape
+    if T * n * n > MAX_LAUNCH_ELEMENTS:
+        return _sliced(sinkhorn_implicit_backward_triton, (R, grad_R), cg_iters, block=block,
+                       num_warps=num_warps, flat=flat, tile=tile)
     out = torch.empty_like(R)
     if T == 0:
         return out
