@@ -246,8 +246,7 @@ def test_unrolled_scratch_variant_loops_over_tiles(device, n, iters):
     # float64 loop (on a sample) and the checkpointed tile kernel (on every token).
     block = triton_kernels._small_block(n, torch.float32)
     if device == "cuda":
-        sms = torch.cuda.get_device_properties(0).multi_processor_count
-        T = 2 * sms * triton_kernels.SCRATCH_PROGRAMS_PER_SM * block + 7
+        T = 2 * runtime.sm_count(torch.device("cuda")) * triton_kernels.SCRATCH_PROGRAMS_PER_SM * block + 7
     else:
         T = 5 * block + 7  # 4 programs in the interpreter
     x64 = _logits((T, n, n), 3.0, seed=800 + n)  # peaked

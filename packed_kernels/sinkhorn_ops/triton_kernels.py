@@ -327,6 +327,15 @@ def sinkhorn_implicit_backward_kernel(R_ptr, grad_ptr, out_ptr, num_tokens, cg_i
 # additions. The forward also iterates on the scaling vectors instead of the matrix.
 
 
+@triton.jit
+def _ones(n: tl.constexpr, ROWS: tl.constexpr, COMPUTE: tl.constexpr):
+    """The scaling vector ``u = 1`` the iterations start from: ``n`` vectors of ``ROWS``."""
+    u = ()
+    for i in tl.static_range(n):
+        u = u + (tl.full((ROWS,), 1.0, COMPUTE),)
+    return u
+
+
 #: smallest entry of ``K = exp(X - colmax X)`` for which pairing reciprocals is safe in
 #: float32: every row and column sum of every iterate then lies in ``[kappa, n / kappa]``,
 #: so the product of two sums and its reciprocal stay far inside the normal range
@@ -368,9 +377,7 @@ def _iterate_staggered(KA, KB, iters, n: tl.constexpr, HALF: tl.constexpr, FAST:
     point of the loop; with the two tokens in step, each warp waits for one unit while
     the other idles.
     """
-    u_a = ()
-    for i in tl.static_range(n):
-        u_a = u_a + (tl.full((HALF,), 1.0, KA[0].dtype),)
+    u_a = _ones(n, HALF, KA[0].dtype)
     v_a = u_a
     u_b = u_a
     v_b = u_a
@@ -443,30 +450,26 @@ def sinkhorn_forward_small_kernel(logits_ptr, out_ptr, num_tokens, iters,
     tiles take plain reciprocals).
     """
     NN: tl.constexpr = n * n
+    ROWS: tl.constexpr = BLOCK // 2 if STAGGER else BLOCK  # tokens per load: each half (A, B) with STAGGER
     first = tl.program_id(0) * BLOCK
+    K_a = _shifted_exp_entries(_load_matrices(logits_ptr, first, num_tokens, NN, ROWS, BITS, COMPUTE), n)
     if STAGGER:
-        HALF: tl.constexpr = BLOCK // 2
-        K_a = _shifted_exp_entries(_load_matrices(logits_ptr, first, num_tokens, NN, HALF, BITS, COMPUTE), n)
-        K_b = _shifted_exp_entries(_load_matrices(logits_ptr, first + HALF, num_tokens, NN, HALF, BITS, COMPUTE), n)
+        K_b = _shifted_exp_entries(_load_matrices(logits_ptr, first + ROWS, num_tokens, NN, ROWS, BITS, COMPUTE), n)
         if PAIRS > 0:
             if _pairing_safe(K_a, K_b, iters, NN):
-                u_a, v_a, u_b, v_b = _iterate_staggered(K_a, K_b, iters, n, HALF, FAST, PAIRS)
+                u_a, v_a, u_b, v_b = _iterate_staggered(K_a, K_b, iters, n, ROWS, FAST, PAIRS)
             else:
-                u_a, v_a, u_b, v_b = _iterate_staggered(K_a, K_b, iters, n, HALF, FAST, 0)
+                u_a, v_a, u_b, v_b = _iterate_staggered(K_a, K_b, iters, n, ROWS, FAST, 0)
         else:
-            u_a, v_a, u_b, v_b = _iterate_staggered(K_a, K_b, iters, n, HALF, FAST, 0)
-        _store_matrices(out_ptr, _scaled_entries(u_b, K_b, v_b, n), first + HALF, num_tokens, NN, HALF, BITS)
+            u_a, v_a, u_b, v_b = _iterate_staggered(K_a, K_b, iters, n, ROWS, FAST, 0)
+        _store_matrices(out_ptr, _scaled_entries(u_b, K_b, v_b, n), first + ROWS, num_tokens, NN, ROWS, BITS)
     else:
-        K_a = _shifted_exp_entries(_load_matrices(logits_ptr, first, num_tokens, NN, BLOCK, BITS, COMPUTE), n)
-        u_a = ()
-        for i in tl.static_range(n):
-            u_a = u_a + (tl.full((BLOCK,), 1.0, COMPUTE),)
+        u_a = _ones(n, ROWS, COMPUTE)
         v_a = u_a
         for _ in range(iters):
             v_a = _column_step(K_a, u_a, n, FAST)
             u_a = _row_step(K_a, v_a, n, FAST)
-        HALF: tl.constexpr = BLOCK
-    _store_matrices(out_ptr, _scaled_entries(u_a, K_a, v_a, n), first, num_tokens, NN, HALF, BITS)
+    _store_matrices(out_ptr, _scaled_entries(u_a, K_a, v_a, n), first, num_tokens, NN, ROWS, BITS)
 
 
 @triton.jit
@@ -705,9 +708,7 @@ def sinkhorn_unrolled_backward_small_kernel(logits_ptr, grad_ptr, out_ptr, num_t
     mask = tok[:, None] < num_tokens
     x = split_columns(tl.load(logits_ptr + offsets, mask=mask, other=0.0).to(COMPUTE), BLOCK, NN, BITS)
     K = _shifted_exp_entries(x, n)
-    u = ()
-    for i in tl.static_range(n):
-        u = u + (tl.full((BLOCK,), 1.0, COMPUTE),)
+    u = _ones(n, BLOCK, COMPUTE)
     us = (u,)  # us[t] = u_t
     vs = ()  # vs[t - 1] = v_t
     for _ in tl.static_range(ITERS):
@@ -750,9 +751,7 @@ def sinkhorn_unrolled_backward_scratch_kernel(logits_ptr, grad_ptr, out_ptr, scr
         mask = tok[:, None] < num_tokens
         x = split_columns(tl.load(logits_ptr + offsets, mask=mask, other=0.0).to(COMPUTE), BLOCK, NN, BITS)
         K = _shifted_exp_entries(x, n)
-        u = ()
-        for i in tl.static_range(n):
-            u = u + (tl.full((BLOCK,), 1.0, COMPUTE),)
+        u = _ones(n, BLOCK, COMPUTE)
         _store_vector(base, u, n, BLOCK)
         v = u
         for t in range(iters):
