@@ -17,16 +17,16 @@ __version__ = "0.1.0"
 
 # public name -> the subpackage that defines it
 _LAZY_NAMES = {
-    "packed_ctc_loss": "ctc",
-    "sinkhorn": "sinkhorn_ops",
-    "sinkhorn_backward": "sinkhorn_ops",
-    "segmented_sum": "segment_ops",
-    "segmented_mean": "segment_ops",
-    "segmented_dot": "segment_ops",
-    "segmented_mul": "segment_ops",
-    "segmented_rms_norm": "segment_ops",
-    "segmented_matvec": "segment_ops",
-    "PersistentLSTM": "lstm",
+    "packed_ctc_loss": "ops.ctc",
+    "sinkhorn": "ops.sinkhorn",
+    "sinkhorn_backward": "ops.sinkhorn",
+    "segmented_sum": "ops.segment",
+    "segmented_mean": "ops.segment",
+    "segmented_dot": "ops.segment",
+    "segmented_mul": "ops.segment",
+    "segmented_rms_norm": "ops.segment",
+    "segmented_matvec": "ops.segment",
+    "PersistentLSTM": "ops.lstm",
 }
 
 __all__ = ["Packed", "pack", "unpack", "cu_seqlens_from_lengths", *_LAZY_NAMES]

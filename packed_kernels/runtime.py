@@ -82,39 +82,3 @@ def register_cap(cap: Optional[int]) -> dict:
     """Launch options capping a kernel's registers per thread at ``cap`` (``None``: the
     compiler's choice). Empty under the interpreter, which compiles nothing."""
     return {} if cap is None or INTERPRETED else {"maxnreg": cap}
-
-
-def check_kernel_device(name: str, tensor: torch.Tensor) -> None:
-    """Raise ``ValueError`` unless ``tensor`` lives where the kernels run."""
-    if tensor.device.type != KERNEL_DEVICE:
-        where = (
-            "Triton's interpreter runs the kernels on CPU tensors here (no CUDA GPU is visible)"
-            if INTERPRETED
-            else "the Triton kernels are compiled for the GPU here"
-        )
-        raise ValueError(
-            f"{name} must be a {KERNEL_DEVICE} tensor ({where}); got a tensor on {tensor.device}"
-        )
-
-
-def check_same_device(**tensors: torch.Tensor) -> None:
-    """Raise ``ValueError`` naming the first argument on a different device than the first one."""
-    items = list(tensors.items())
-    first_name, first = items[0]
-    for name, tensor in items[1:]:
-        if tensor.device != first.device:
-            raise ValueError(
-                f"{name} is on {tensor.device} but {first_name} is on {first.device}: "
-                "all tensors must be on one device"
-            )
-
-
-def is_tracing() -> bool:
-    """True while ``torch.compile`` traces or a CUDA graph is being captured.
-
-    Checks that need to read a tensor's values on the host are skipped then: a host
-    read would break the graph (compile) or is forbidden (capture).
-    """
-    if torch.compiler.is_compiling():
-        return True
-    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()

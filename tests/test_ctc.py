@@ -15,9 +15,9 @@ import torch.nn.functional as F
 
 import packed_kernels as pk
 from packed_kernels import runtime
-from packed_kernels.ctc import packed_loss
-from packed_kernels.ctc.naive_numpy import ctc_loss_numpy, ctc_utterance_numpy
-from packed_kernels.ctc.padded_torch import ctc_loss_padded
+from packed_kernels.ops.ctc import api as packed_loss
+from packed_kernels.ops.ctc.naive_numpy import ctc_loss_numpy, ctc_utterance_numpy
+from packed_kernels.ops.ctc.padded_torch import ctc_loss_padded
 from tests.assertions import assert_close
 
 
@@ -497,7 +497,7 @@ BAD_INPUTS = {
     "blank-not-int": (lambda a, d: dict(a, blank=0.0), TypeError, "blank"),
     "reduction-unknown": (lambda a, d: dict(a, reduction="average"), ValueError, "reduction"),
     "zero_infinity-not-bool": (lambda a, d: dict(a, zero_infinity=None), TypeError, "zero_infinity"),
-    "mixed-devices": (lambda a, d: dict(a, targets=a["targets"].to(_other_device(d))), ValueError, "targets is on"),
+    "mixed-devices": (lambda a, d: dict(a, targets=a["targets"].to(_other_device(d))), ValueError, "targets must be on"),
 }
 
 

@@ -6,7 +6,7 @@ import torch.nn.functional as F
 
 import packed_kernels as pk
 from packed_kernels import runtime
-from packed_kernels.sinkhorn_ops import padded_torch as sinkhorn_padded
+from packed_kernels.ops.sinkhorn import padded_torch as sinkhorn_padded
 
 from assertions import assert_close
 

@@ -7,9 +7,9 @@ import torch
 from torch.nn.utils.rnn import pack_padded_sequence, pad_packed_sequence
 
 from packed_kernels import Packed, PersistentLSTM, pack, runtime, unpack
-from packed_kernels.lstm.naive_numpy import lstm_layer_numpy
-from packed_kernels.lstm.padded_torch import lstm_weights, padded_lstm
-from packed_kernels.lstm.triton_kernels import RecurrenceConfig, choose_config, input_projection
+from packed_kernels.ops.lstm.naive_numpy import lstm_layer_numpy
+from packed_kernels.ops.lstm.padded_torch import lstm_weights, padded_lstm
+from packed_kernels.ops.lstm.triton_kernels import RecurrenceConfig, choose_config, input_projection
 
 from assertions import assert_close
 

@@ -5,7 +5,7 @@ import triton
 import triton.language as tl
 
 from packed_kernels import runtime  # noqa: F401  (interpret or compile, before the kernels below)
-from packed_kernels.register_columns import join_columns, split_columns
+from packed_kernels.device_functions.register_columns import join_columns, split_columns
 
 
 @triton.jit

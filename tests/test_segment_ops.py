@@ -8,8 +8,8 @@ import torch
 
 import packed_kernels as pk
 from packed_kernels import runtime
-from packed_kernels.segment_ops import naive_numpy, padded_torch
-from packed_kernels.segment_ops import triton_kernels as tk
+from packed_kernels.ops.segment import naive_numpy, padded_torch
+from packed_kernels.ops.segment import triton_kernels as tk
 
 from assertions import assert_close
 
@@ -410,9 +410,9 @@ def test_eager_calls_take_the_autograd_functions_and_traced_calls_the_custom_ope
     idx = make_idx([2, 0, 3], device)
     x = torch.randn(5, 3, dtype=torch.float64).to(device).requires_grad_()
     out = pk.segmented_mean(x, idx, 3)
-    assert "Eager_mean" in type(out.grad_fn).__name__
+    assert "Eager_segment_mean" in type(out.grad_fn).__name__
     (grad,) = torch.autograd.grad(out.square().sum(), x, create_graph=True)
-    assert "Eager_gather_over_count" in type(grad.grad_fn).__name__
+    assert "Eager_segment_gather_over_count" in type(grad.grad_fn).__name__
 
     class Recorder(TorchDispatchMode):
         def __init__(self):
@@ -428,8 +428,8 @@ def test_eager_calls_take_the_autograd_functions_and_traced_calls_the_custom_ope
         traced = pk.segmented_mean(x, idx, 3)
         (traced_grad,) = torch.autograd.grad(traced.square().sum(), x, create_graph=True)
         (traced_second,) = torch.autograd.grad(traced_grad.square().sum(), x)
-    assert any("packed_segment_ops.mean" in op for op in seen.ops), seen.ops
-    assert any("packed_segment_ops.gather_over_count" in op for op in seen.ops), seen.ops
+    assert any("packed_kernels.segment_mean" in op for op in seen.ops), seen.ops
+    assert any("packed_kernels.segment_gather_over_count" in op for op in seen.ops), seen.ops
     assert torch.equal(traced, out)
     assert torch.equal(traced_grad, grad)
     assert torch.equal(traced_second, second)
@@ -440,7 +440,7 @@ def test_mean_writes_counts_only_for_autograd(device):
     ask for them; the mean itself is the same bitwise either way, and gradients of every
     order (the third one divides by counts written inside the second) match autograd
     through the padded stage in float64."""
-    from packed_kernels.segment_ops import custom_ops
+    from packed_kernels.ops.segment import custom_ops
 
     lengths = [3, 0, 6, 1, 9]
     idx = make_idx(lengths, device)
@@ -572,9 +572,9 @@ def test_bad_input_other_ops(device):
 def test_bad_input_devices(device):
     x, idx = _good(device)
     other = "meta"
-    with pytest.raises(ValueError, match="idx is on"):
+    with pytest.raises(ValueError, match="idx must be on"):
         pk.segmented_sum(x, idx.to(other), 2)
-    with pytest.raises(ValueError, match="m is on"):
+    with pytest.raises(ValueError, match="m must be on"):
         pk.segmented_matvec(x, torch.randn(2, 3, 3, device=other), idx, 2)
     if not runtime.INTERPRETED:
         with pytest.raises(ValueError, match="x must be a cuda tensor"):

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from packed_kernels import runtime, sinkhorn, sinkhorn_backward
-from packed_kernels.sinkhorn_ops import naive_numpy, padded_torch, triton_kernels
+from packed_kernels.ops.sinkhorn import naive_numpy, padded_torch, triton_kernels
 
 from assertions import assert_close
 

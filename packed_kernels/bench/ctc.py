@@ -89,7 +89,7 @@ def _packed_provider(B, T, C, input_lengths, target_lengths, seed):
 
 def _padded_stage_provider(B, T, C, input_lengths, target_lengths, seed):
     def factory():
-        from ..ctc.padded_torch import ctc_loss_padded
+        from ..ops.ctc.padded_torch import ctc_loss_padded
 
         device = "cuda"
         x = _log_probs((B, T, C), seed, device).requires_grad_()

@@ -72,7 +72,7 @@ def _cudnn(B, T, I, H, layers):
 
 def _persistent(B, T, I, H, layers):
     def factory():
-        from ..lstm import PersistentLSTM
+        from ..ops.lstm import PersistentLSTM
 
         model = PersistentLSTM.from_torch(_lstm(I, H, layers))
         x = torch.randn(B, T, I, device="cuda")
@@ -86,7 +86,7 @@ def _persistent(B, T, I, H, layers):
 
 def _padded_stage(B, T, I, H, layers):
     def factory():
-        from ..lstm.padded_torch import lstm_weights, padded_lstm
+        from ..ops.lstm.padded_torch import lstm_weights, padded_lstm
 
         lstm = _lstm(I, H, layers)
         weights = lstm_weights(lstm)
@@ -122,7 +122,7 @@ def _cudnn_packed(B, T, I, H, layers):
 
 def _persistent_packed(B, T, I, H, layers):
     def factory():
-        from ..lstm import PersistentLSTM
+        from ..ops.lstm import PersistentLSTM
         from ..packing import pack
 
         model = PersistentLSTM.from_torch(_lstm(I, H, layers))

@@ -90,7 +90,7 @@ def _segment_reduce(op: str, lengths: torch.Tensor) -> Callable:
 
 def _provider(op: str, provider: str, order: str, n_rows: int, mean_length: int, width: int):
     def factory():
-        from ..segment_ops import functions, padded_torch
+        from ..ops.segment import api as functions, padded_torch
 
         idx, num_segments = _layout(n_rows, mean_length)
         inputs = _inputs(op, n_rows, num_segments, width)

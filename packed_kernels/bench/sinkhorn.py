@@ -35,7 +35,7 @@ def _inputs(n: int, tokens: int, seed: int):
 
 def _fwd_triton(n, tokens, tile=False):
     def factory():
-        from ..sinkhorn_ops.triton_kernels import sinkhorn_forward_triton
+        from ..ops.sinkhorn.triton_kernels import sinkhorn_forward_triton
 
         logits, _ = _inputs(n, tokens, 0)
         return lambda: sinkhorn_forward_triton(logits, ITERS, tile=tile)
@@ -44,7 +44,7 @@ def _fwd_triton(n, tokens, tile=False):
 
 def _fwd_torch(n, tokens):
     def factory():
-        from ..sinkhorn_ops.padded_torch import sinkhorn_torch
+        from ..ops.sinkhorn.padded_torch import sinkhorn_torch
 
         logits, _ = _inputs(n, tokens, 0)
         return lambda: sinkhorn_torch(logits, ITERS)
@@ -53,8 +53,8 @@ def _fwd_torch(n, tokens):
 
 def _implicit(provider, n, tokens):
     def factory():
-        from ..sinkhorn_ops import padded_torch
-        from ..sinkhorn_ops.triton_kernels import sinkhorn_forward_triton, sinkhorn_implicit_backward_triton
+        from ..ops.sinkhorn import padded_torch
+        from ..ops.sinkhorn.triton_kernels import sinkhorn_forward_triton, sinkhorn_implicit_backward_triton
 
         logits, grad = _inputs(n, tokens, 1)
         R = sinkhorn_forward_triton(logits, ITERS)
@@ -73,11 +73,11 @@ def _unrolled(provider, n, tokens):
     def factory():
         logits, grad = _inputs(n, tokens, 2)
         if provider in ("triton", "triton_tile"):
-            from ..sinkhorn_ops.triton_kernels import sinkhorn_unrolled_backward_triton
+            from ..ops.sinkhorn.triton_kernels import sinkhorn_unrolled_backward_triton
 
             tile = provider == "triton_tile"
             return lambda: sinkhorn_unrolled_backward_triton(logits, grad, ITERS, tile=tile)
-        from ..sinkhorn_ops.padded_torch import sinkhorn_torch
+        from ..ops.sinkhorn.padded_torch import sinkhorn_torch
 
         logits.requires_grad_()
         R = sinkhorn_torch(logits, ITERS)  # the graph (every iterate) is kept for repeated backwards
@@ -87,8 +87,8 @@ def _unrolled(provider, n, tokens):
 
 def _fwd_bwd(provider, n, tokens):
     def factory():
-        from ..sinkhorn_ops import padded_torch
-        from ..sinkhorn_ops.api import sinkhorn
+        from ..ops.sinkhorn import padded_torch
+        from ..ops.sinkhorn.api import sinkhorn
 
         logits, grad = _inputs(n, tokens, 3)
         logits.requires_grad_()
@@ -108,7 +108,7 @@ def _fwd_bwd(provider, n, tokens):
 
 
 def cases() -> Iterable[Case]:
-    from ..sinkhorn_ops.triton_kernels import SMALL_N
+    from ..ops.sinkhorn.triton_kernels import SMALL_N
 
     for n, tokens in _SIZES:
         # the tile kernels too where the one-token-per-thread kernels take over

@@ -25,9 +25,9 @@ import torch
 import triton
 import triton.language as tl
 
-from .. import runtime  # (imported first: decides interpret vs compile before @triton.jit)
-from ..fast_math import reciprocal as _reciprocal
-from ..register_columns import join_columns, split_columns
+from ... import runtime  # (imported first: decides interpret vs compile before @triton.jit)
+from ...device_functions.fast_math import reciprocal as _reciprocal
+from ...device_functions.register_columns import join_columns, split_columns
 
 #: Largest n the kernels take; :mod:`.api` uses the padded PyTorch stage beyond it.
 MAX_KERNEL_N = 32

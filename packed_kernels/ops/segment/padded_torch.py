@@ -5,7 +5,7 @@ are rows, so every reduction is an ordinary dense one and autograd differentiate
 it to any order. The price is memory and traffic proportional to ``S * L`` instead of
 ``N``: one segment of 10,000 rows among short ones makes every segment 10,000 long.
 These functions take the public shapes (``(N,)`` or ``(N, D)``) and return the same
-shapes as :mod:`packed_kernels.segment_ops`.
+shapes as :mod:`packed_kernels.ops.segment`.
 """
 from __future__ import annotations
 

@@ -17,8 +17,9 @@ from typing import Tuple
 import numpy as np
 import torch
 
-from .. import runtime
-from ..arguments import integer_argument
+from ... import runtime, validation
+from ...dispatch import is_traced
+from ...validation import integer_argument
 from .triton_kernels import (
     ctc_alpha_beta_kernel,
     ctc_alpha_beta_pairs_kernel,
@@ -365,9 +366,9 @@ def _check_arguments(log_probs, cu_seqlens, targets, target_lengths, blank, redu
         raise ValueError(f"reduction must be one of {_REDUCTIONS}, got {reduction!r}")
     if not isinstance(zero_infinity, bool):
         raise TypeError(f"zero_infinity must be a bool, got {type(zero_infinity).__name__}")
-    runtime.check_same_device(log_probs=log_probs, cu_seqlens=cu_seqlens, targets=targets,
+    validation.check_same_device(log_probs=log_probs, cu_seqlens=cu_seqlens, targets=targets,
                               target_lengths=target_lengths)
-    runtime.check_kernel_device("log_probs", log_probs)
+    validation.check_kernel_device("log_probs", log_probs)
     return blank
 
 
@@ -438,7 +439,7 @@ def packed_ctc_loss(
     blank = _check_arguments(log_probs, cu_seqlens, targets, target_lengths, blank, reduction, zero_infinity)
     # the kernels read the offsets and lengths as dense arrays (a strided view is copied once)
     cu_seqlens, target_lengths = cu_seqlens.contiguous(), target_lengths.contiguous()
-    copies = None if runtime.is_tracing() else _HostCopies(cu_seqlens, target_lengths, targets)
+    copies = None if is_traced() else _HostCopies(cu_seqlens, target_lengths, targets)
     if copies is not None and copies.done is None:
         _check_values(copies, *log_probs.shape, targets.shape[1])  # on the CPU: before any kernel
     if torch.compiler.is_compiling():

@@ -6,7 +6,7 @@ with one small matrix product per step. Sequences of different lengths share one
 padded ``(B, T, ...)`` tensor; a sequence stops updating its state after its last
 frame, and its reverse direction starts at its own last frame (as ``nn.LSTM`` does
 on a ``PackedSequence``). Being ordinary PyTorch, it is differentiable: it is also
-the path :class:`~packed_kernels.lstm.PersistentLSTM` falls back to when autograd
+the path :class:`~packed_kernels.ops.lstm.PersistentLSTM` falls back to when autograd
 is needed.
 """
 from __future__ import annotations

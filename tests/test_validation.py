@@ -5,7 +5,7 @@ import pytest
 import torch
 
 import packed_kernels as pk
-from packed_kernels.arguments import integer_argument
+from packed_kernels.validation import integer_argument
 
 
 def test_integer_argument():

@@ -6,8 +6,9 @@ from typing import List, Optional, Tuple, Union
 
 import torch
 
-from .. import runtime
-from ..packing import Packed, cu_seqlens_from_lengths, unpack
+from ... import runtime, validation
+from ...dispatch import is_traced
+from ...packing import Packed, cu_seqlens_from_lengths, unpack
 from .padded_torch import lstm_weights, padded_lstm
 from .triton_kernels import MAX_HIDDEN, RecurrenceConfig, input_projection, lstm_recurrence
 
@@ -55,7 +56,7 @@ class PersistentLSTM(torch.nn.Module):
     Autograd: the Triton path computes no gradient. When a gradient is needed
     (grad mode on and the input, the initial state or a parameter requires grad),
     the call falls back to the padded PyTorch stage
-    (:func:`~packed_kernels.lstm.padded_torch.padded_lstm`), which gives the exact
+    (:func:`~packed_kernels.ops.lstm.padded_torch.padded_lstm`), which gives the exact
     gradient through ordinary autograd, and warns once that it did. Run inference
     under ``torch.no_grad()`` or ``torch.inference_mode()`` to use the kernels.
 
@@ -193,7 +194,7 @@ class PersistentLSTM(torch.nn.Module):
                 f"packed.data's device ({data.device})"
             )
         batch = lengths.numel()
-        if not runtime.is_tracing():
+        if not is_traced():
             if batch and int(lengths.min()) < 0:
                 raise ValueError(f"packed.lengths must be >= 0, got min {int(lengths.min())}")
             expected = cu_seqlens_from_lengths(lengths.to(torch.int64)).to(torch.int64)
@@ -308,7 +309,7 @@ class PersistentLSTM(torch.nn.Module):
             raise ValueError(f"{name} is on {x.device} but the nn.LSTM's parameters are on {params[0].device}")
         needs_grad = self._needs_autograd(x, None, params)
         if not needs_grad:
-            runtime.check_kernel_device(name, x)
+            validation.check_kernel_device(name, x)
 
     def _check_state(self, hx, batch, x, unbatched):
         if hx is None:
@@ -355,7 +356,7 @@ def _check_lengths(lengths, batch, steps, device) -> torch.Tensor:
     if lengths.shape != (batch,):
         raise ValueError(f"lengths must have shape ({batch},) (one per sequence), got {tuple(lengths.shape)}")
     lengths = lengths.to(device=device, dtype=torch.int64)
-    if batch and not runtime.is_tracing():
+    if batch and not is_traced():
         low, high = int(lengths.min()), int(lengths.max())
         if low < 0 or high > steps:
             raise ValueError(f"lengths must lie in [0, T={steps}], got min {low}, max {high}")

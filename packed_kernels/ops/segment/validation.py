@@ -3,8 +3,9 @@ from __future__ import annotations
 
 import torch
 
-from .. import runtime
-from ..arguments import integer_argument
+from ... import runtime, validation
+from ...dispatch import is_traced
+from ...validation import integer_argument
 
 #: dtypes the kernels read; float16 and bfloat16 are computed in float32.
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -44,7 +45,7 @@ def check_idx(idx, n_rows: int, num_segments: int, rows_name: str) -> None:
         raise ValueError(f"idx must be 1-D; got shape {tuple(idx.shape)}")
     if idx.shape[0] != n_rows:
         raise ValueError(f"idx must have one entry per row of {rows_name} ({n_rows}); got {idx.shape[0]} entries")
-    if n_rows == 0 or runtime.is_tracing():
+    if n_rows == 0 or is_traced():
         return
     descending = (idx[1:] < idx[:-1]).sum() if n_rows > 1 else idx.new_zeros(())
     low, high = torch.aminmax(idx)
@@ -61,9 +62,9 @@ def check_devices(**tensors: torch.Tensor) -> None:
     for name, value in tensors.items():
         if not isinstance(value, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor; got {type(value).__name__}")
-    runtime.check_same_device(**tensors)
+    validation.check_same_device(**tensors)
     name, first = next(iter(tensors.items()))
-    runtime.check_kernel_device(name, first)
+    validation.check_kernel_device(name, first)
 
 
 def check_same_dtype(name: str, value: torch.Tensor, other_name: str, other: torch.Tensor) -> None:

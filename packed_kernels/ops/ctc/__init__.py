@@ -5,6 +5,6 @@
 * :mod:`.triton_kernels` and :mod:`.packed_loss`: the packed Triton kernels and the public
   :func:`packed_ctc_loss`.
 """
-from .packed_loss import packed_ctc_loss
+from .api import packed_ctc_loss
 
 __all__ = ["packed_ctc_loss"]

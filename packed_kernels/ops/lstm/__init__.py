@@ -5,6 +5,6 @@
 * :mod:`.triton_kernels`: one persistent launch per layer runs the whole recurrence.
 * :class:`PersistentLSTM` (:mod:`.module`): the public wrapper of an ``nn.LSTM``.
 """
-from .module import PersistentLSTM
+from .api import PersistentLSTM
 
 __all__ = ["PersistentLSTM"]

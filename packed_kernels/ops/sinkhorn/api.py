@@ -13,8 +13,9 @@ from typing import Optional
 
 import torch
 
-from .. import runtime
-from ..arguments import integer_argument
+from ... import runtime, validation
+from ...dispatch import is_traced
+from ...validation import integer_argument
 from . import padded_torch
 from .triton_kernels import (
     MAX_KERNEL_N,
@@ -190,10 +191,10 @@ def sinkhorn(logits: torch.Tensor, iters: int = 20, *, backward: str = "implicit
         if backward == "unrolled":
             return padded_torch.sinkhorn_torch(logits, iters)
         return _PaddedImplicit.apply(logits, iters, _cg_or_none(cg))
-    runtime.check_kernel_device("logits", logits)
+    validation.check_kernel_device("logits", logits)
     shape = logits.shape
     flat = logits.contiguous().view(-1, n, n)
-    if runtime.is_tracing():
+    if is_traced():
         R = _sinkhorn_forward_op(flat, iters, backward == "unrolled", cg)
     else:
         R = _EagerSinkhorn.apply(flat, iters, backward == "unrolled", cg)
@@ -225,13 +226,13 @@ def sinkhorn_backward(R: torch.Tensor, grad_R: torch.Tensor, cg_iters: Optional[
         raise ValueError(f"grad_R must have the shape of R {tuple(R.shape)}; got {tuple(grad_R.shape)}")
     if not grad_R.is_floating_point():
         raise TypeError(f"grad_R must be a floating-point tensor; got {grad_R.dtype}")
-    runtime.check_same_device(R=R, grad_R=grad_R)
+    validation.check_same_device(R=R, grad_R=grad_R)
     cg = _check_cg_iters(cg_iters)
     if n > MAX_KERNEL_N:
         return padded_torch.implicit_backward_torch(R, grad_R.to(R.dtype), _cg_or_none(cg))
-    runtime.check_kernel_device("R", R)
+    validation.check_kernel_device("R", R)
     flat_R = R.detach().contiguous().view(-1, n, n)
     flat_grad = grad_R.detach().to(R.dtype).contiguous().view(-1, n, n)
-    if runtime.is_tracing():
+    if is_traced():
         return _implicit_backward_op(flat_R, flat_grad, cg).view(R.shape)
     return sinkhorn_implicit_backward_triton(flat_R, flat_grad, _cg_or_none(cg)).view(R.shape)

@@ -6,7 +6,7 @@ to a dense block; autograd gives both orders) and the Triton kernels
 (:mod:`.triton_kernels`, registered as custom operators in :mod:`.custom_ops`), which
 the public functions below use.
 """
-from .functions import (
+from .api import (
     segmented_dot,
     segmented_matvec,
     segmented_mean,

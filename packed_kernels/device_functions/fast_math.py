@@ -4,7 +4,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from . import runtime  # noqa: F401  (decides interpret vs compile before @triton.jit)
+from .. import runtime  # noqa: F401  (decides interpret vs compile before @triton.jit)
 
 
 @triton.jit

@@ -2,7 +2,7 @@
 
 Every tensor here is 2-D and contiguous: rows ``(N, C)`` indexed by a sorted int32
 ``idx`` of length ``N``, or per-segment rows ``(S, C)``. The public functions of
-:mod:`packed_kernels.segment_ops` reshape ``(N,)`` and ``(N, D)`` inputs to that form.
+:mod:`packed_kernels.ops.segment` reshape ``(N,)`` and ``(N, D)`` inputs to that form.
 
 Two kinds of kernel cover the six operations and all of their derivatives:
 
@@ -34,9 +34,9 @@ import torch
 import triton
 import triton.language as tl
 
-from .. import runtime
-from ..fast_math import reciprocal as _reciprocal
-from ..register_columns import load_lane_rows
+from ... import runtime
+from ...device_functions.fast_math import reciprocal as _reciprocal
+from ...device_functions.register_columns import load_lane_rows
 
 # Prologues of the segmented reduction: what each row contributes.
 ROW_VALUE = 0  # x[i, c]
@@ -602,11 +602,11 @@ ROWS_PER_THREAD = 16
 VECTOR_ROWS_PER_THREAD = 8
 ROWS_IN_ORDER_THREADS = 128
 #: Let the compiled in-order pass read each lane's rows with 16-byte loads
-#: (:func:`packed_kernels.register_columns.load_lane_rows`) where the data allow it.
+#: (:func:`packed_kernels.device_functions.register_columns.load_lane_rows`) where the data allow it.
 LANE_VECTOR_LOADS = True
 #: ``mean`` in the in-order pass multiplies each row by the reciprocal of its count; for
 #: compiled float32 that reciprocal is the approximate ``rcp.approx`` (1 ulp,
-#: :func:`packed_kernels.fast_math.reciprocal`) instead of ``1.0 / count``.
+#: :func:`packed_kernels.device_functions.fast_math.reciprocal`) instead of ``1.0 / count``.
 FAST_DIVIDE = True
 #: Register cap of the compiled in-order float32 ``mean`` of rows of 2 to 4 columns (None: the
 #: compiler's choice). Measured on an H200: the cap of 64 makes ptxas schedule the pass

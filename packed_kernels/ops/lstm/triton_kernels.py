@@ -74,9 +74,9 @@ import torch
 import triton
 import triton.language as tl
 
-from .. import runtime
-from ..fast_math import exp as _exp
-from ..fast_math import reciprocal as _reciprocal
+from ... import runtime
+from ...device_functions.fast_math import exp as _exp
+from ...device_functions.fast_math import reciprocal as _reciprocal
 
 __all__ = ["MAX_HIDDEN", "RecurrenceConfig", "choose_config", "input_projection", "lstm_recurrence"]
 

@@ -28,80 +28,14 @@ from __future__ import annotations
 
 import torch
 from torch import Tensor
-from torch.utils._python_dispatch import _get_current_dispatch_mode as _current_dispatch_mode
 
+from ...dispatch import operator
 from . import triton_kernels as tk
 
-_NS = "packed_segment_ops"
-
-
-class _Operator:
-    """A custom operator, and the same kernels and gradient formulas as a plain
-    ``torch.autograd.Function`` for eager calls.
-
-    ``torch.compile`` needs the custom operator (it traces the fake implementation and
-    the registered gradient). Eager mode takes the ``autograd.Function``: the same
-    ``setup_context`` and ``backward``, with less host work per call than the
-    dispatcher's path through a custom operator. A backward formula calls the other
-    operators the way its own operator was called (:meth:`within`), so every order of
-    derivative of an eager call stays eager, and a traced one stays custom operators.
-    """
-
-    def __init__(self, name: str, impl):
-        self.name = name
-        self.custom_op = torch.library.custom_op(f"{_NS}::{name}", mutates_args=())(impl)
-        self.impl = impl
-
-        def no_gradient(ctx, *grads):
-            raise RuntimeError(f"{_NS}::{name} has no gradient formula (it is the last order supported)")
-
-        self._eager(lambda ctx, inputs, output: None, no_gradient)
-
-    def _eager(self, setup_context, backward):
-        impl = self.impl
-
-        def forward(ctx, *inputs):
-            # (the ctx-taking forward: a separate setup_context would make every call
-            # bind its arguments through inspect.signature)
-            output = impl(*inputs)
-            setup_context(ctx, inputs, output)
-            ctx.eager = True
-            return output
-
-        self.eager = type(f"Eager_{self.name}", (torch.autograd.Function,), {
-            "forward": staticmethod(forward), "backward": staticmethod(backward)})
-
-    def register_fake(self, fake):
-        return self.custom_op.register_fake(fake)
-
-    def register_autograd(self, backward, *, setup_context):
-        self.custom_op.register_autograd(backward, setup_context=setup_context)
-        self._eager(setup_context, backward)
-
-    def __call__(self, *args):
-        if _traced(args):
-            return self.custom_op(*args)
-        return self.eager.apply(*args)
-
-    def within(self, ctx):
-        """The operator as a backward formula calls it: the ``autograd.Function`` inside
-        an eager backward, the custom operator inside the custom operator's backward
-        (which is what ``torch.compile`` traces)."""
-        return self.eager.apply if getattr(ctx, "eager", False) else self.custom_op
-
-
-def _traced(args) -> bool:
-    """Whether a call is being traced rather than run: while compiling, under a
-    dispatch mode (the fake and proxy modes of ``torch.compile``'s tracing, which also
-    traces each backward), or on a tensor subclass (fake, functional). These calls
-    take the custom operator, which such tracing keeps opaque."""
-    if torch.compiler.is_compiling() or _current_dispatch_mode() is not None:
-        return True
-    return any(isinstance(a, Tensor) and type(a) is not Tensor for a in args)
 
 
 def _operator(name: str):
-    return lambda impl: _Operator(name, impl)
+    return operator(f"segment_{name}")
 
 
 # --- sum and its adjoint, gather -------------------------------------------------------

@@ -1,0 +1,106 @@
+"""One way from a public function to its kernels, for every algorithm of the package.
+
+Each differentiable kernel pair is an :class:`Operator`: a ``torch.library`` custom op
+under the namespace ``packed_kernels::``, with a fake (shape-only) implementation and a
+registered autograd formula, *and* the same implementation and formula as a plain
+``torch.autograd.Function``. A call takes one of the two:
+
+* **eager** (the common case): the ``autograd.Function``, which costs the host less per
+  call than the dispatcher's path through a custom op;
+* **traced** (:func:`is_traced`: ``torch.compile`` and ``torch.export``, fake tensors and
+  other dispatch modes, tensor subclasses, CUDA-graph capture): the custom op, which
+  tracing keeps opaque and shape-checks through its fake implementation.
+
+A backward formula calls other operators through :meth:`Operator.within`, so every
+order of derivative of an eager call stays eager, and of a traced call stays custom ops.
+"""
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+import torch
+from torch import Tensor
+from torch.utils._python_dispatch import _get_current_dispatch_mode
+
+__all__ = ["NAMESPACE", "Operator", "is_traced", "operator"]
+
+#: The ``torch.library`` namespace of every custom op of the package.
+NAMESPACE = "packed_kernels"
+
+# Subclasses that behave as plain tensors in eager mode: a module's parameters.
+_PLAIN_TENSOR_TYPES = (Tensor, torch.nn.Parameter)
+
+
+def is_traced(*args) -> bool:
+    """Whether this call is being traced or captured rather than run eagerly.
+
+    True while ``torch.compile`` or ``torch.export`` traces, under any dispatch mode
+    (``FakeTensorMode``, the proxy modes of tracing), when an argument is a tensor
+    subclass other than ``nn.Parameter`` (fake or functional tensors), and while a CUDA
+    graph is captured. Such calls take the custom ops, and skip every check that reads
+    tensor values on the host (a host read would break the graph, or is forbidden).
+    """
+    if torch.compiler.is_compiling() or _get_current_dispatch_mode() is not None:
+        return True
+    if any(isinstance(a, Tensor) and type(a) not in _PLAIN_TENSOR_TYPES for a in args):
+        return True
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
+class Operator:
+    """A custom op ``packed_kernels::<name>`` and its eager twin, one implementation.
+
+    ``impl`` takes and returns tensors (its annotations are the op's schema).
+    :meth:`register_fake` and :meth:`register_autograd` take what the
+    ``torch.library`` functions of those names take; the autograd formula serves both
+    paths. An operator without a registered formula is not differentiable.
+    """
+
+    def __init__(self, name: str, impl: Callable):
+        self.name = name
+        self.qualified_name = f"{NAMESPACE}::{name}"
+        self.impl = impl
+        self.custom_op = torch.library.custom_op(self.qualified_name, mutates_args=())(impl)
+        self._build_eager(None, None)
+
+    def _build_eager(self, setup_context: Optional[Callable], backward: Optional[Callable]):
+        impl, qualified_name = self.impl, self.qualified_name
+
+        def forward(ctx, *inputs):
+            # the ctx-taking form: a separate setup_context would make every call bind
+            # its arguments through inspect.signature
+            output = impl(*inputs)
+            if setup_context is not None:
+                setup_context(ctx, inputs, output)
+            ctx.eager = True
+            return output
+
+        def no_gradient(ctx, *grads):
+            raise RuntimeError(f"{qualified_name} has no gradient formula")
+
+        self.eager = type(f"Eager_{self.name}", (torch.autograd.Function,), {
+            "forward": staticmethod(forward),
+            "backward": staticmethod(backward if backward is not None else no_gradient),
+        })
+
+    def register_fake(self, fake: Callable) -> Callable:
+        return self.custom_op.register_fake(fake)
+
+    def register_autograd(self, backward: Callable, *, setup_context: Callable) -> None:
+        self.custom_op.register_autograd(backward, setup_context=setup_context)
+        self._build_eager(setup_context, backward)
+
+    def __call__(self, *args):
+        if is_traced(*args):
+            return self.custom_op(*args)
+        return self.eager.apply(*args)
+
+    def within(self, ctx) -> Callable:
+        """The operator as a backward formula calls it: the ``autograd.Function`` inside an
+        eager backward, the custom op inside the custom op's backward (what tracing sees)."""
+        return self.eager.apply if getattr(ctx, "eager", False) else self.custom_op
+
+
+def operator(name: str) -> Callable[[Callable], Operator]:
+    """Decorator form: ``@operator("segment_sum")`` above the implementation."""
+    return lambda impl: Operator(name, impl)
