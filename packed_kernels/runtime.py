@@ -8,7 +8,10 @@ laptop or a CPU-only CI machine with no set-up: the very same kernels then run
 through Triton's interpreter on CPU tensors (slowly, one program of the grid after
 another, but with the same results).
 
-An explicit ``TRITON_INTERPRET`` chosen by the user is respected either way.
+An explicit ``TRITON_INTERPRET`` chosen by the user is respected either way. Importing
+the package after triton (or after ``torch._dynamo`` or a ``torch.compile`` call, which
+import it) works too: Triton's own library functions are then switched to the
+interpreter as well.
 """
 from __future__ import annotations
 
@@ -16,23 +19,51 @@ import functools
 import itertools
 import os
 import sys
-import warnings
 from typing import Optional
 
 import torch
 
+
+
+def _interpret_triton_language() -> int:
+    """Turn the ``@triton.jit`` functions of ``triton.language`` that were decorated in
+    compiled mode (``tl.sum``, ``tl.max``, ``tensor.sum``, ...) into interpreted ones.
+
+    Triton picks compile or interpret when a function is decorated. When triton was
+    imported before the interpreter was switched on (directly, or through
+    ``torch._dynamo`` or a ``torch.compile`` call), its library functions are compiled
+    ones, which an interpreted kernel cannot call. Returns how many were converted.
+    """
+    import triton.language as tl
+    from triton.runtime.interpreter import InterpretedFunction
+    from triton.runtime.jit import JITFunction
+
+    def interpreted(function):
+        options = {key: getattr(function, attr) for key, attr in (
+            ("version", "version"), ("do_not_specialize", "do_not_specialize"),
+            ("do_not_specialize_on_alignment", "do_not_specialize_on_alignment"), ("debug", "debug"),
+            ("noinline", "noinline"), ("repr", "_repr"), ("launch_metadata", "launch_metadata"),
+        ) if hasattr(function, attr)}
+        try:
+            return InterpretedFunction(function.fn, **options)
+        except TypeError:  # a Triton release whose constructor takes fewer options
+            return InterpretedFunction(function.fn)
+
+    namespaces = [module for name, module in list(sys.modules.items())
+                  if module is not None and (name == "triton.language" or name.startswith("triton.language."))]
+    converted = 0
+    for namespace in [*namespaces, tl.tensor]:
+        for name, value in list(vars(namespace).items()):
+            if type(value) is JITFunction:
+                setattr(namespace, name, interpreted(value))
+                converted += 1
+    return converted
+
+
 if "TRITON_INTERPRET" not in os.environ and not torch.cuda.is_available():
-    if "triton" in sys.modules:
-        # Triton's own library functions (tl.sum, tl.max, ...) were decorated when
-        # triton was imported, in compiled mode; interpreted kernels cannot call them.
-        warnings.warn(
-            "triton was imported before packed_kernels on a machine without a CUDA GPU: "
-            "Triton's interpreter may fail inside kernels. Import packed_kernels first, "
-            "or set TRITON_INTERPRET=1 before starting Python.",
-            RuntimeWarning,
-            stacklevel=2,
-        )
     os.environ["TRITON_INTERPRET"] = "1"
+    if "triton" in sys.modules:
+        _interpret_triton_language()
 
 #: True when the Triton kernels run through the interpreter on CPU tensors.
 INTERPRETED: bool = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")

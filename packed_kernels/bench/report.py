@@ -2,7 +2,8 @@
 
 The results are long-format CSV rows written by ``python -m packed_kernels.bench``
 under ``book/results/``: one row per (workload, sizes, provider), with the median
-and quartile times, peak memory, the floor, the GPU name, versions and date.
+and quartile times, peak memory, the floor, the GPU name, versions and date. pandas
+and matplotlib are needed here only (``pip install packed-kernels[bench]``).
 """
 from __future__ import annotations
 
@@ -15,10 +16,19 @@ import pandas as pd
 from .__main__ import default_results_dir
 
 
+def _results_dir(results_dir: Optional[str]) -> Optional[str]:
+    return results_dir if results_dir is not None else default_results_dir()
+
+
 def load_results(chapter: str, results_dir: Optional[str] = None) -> Optional[pd.DataFrame]:
-    """The recorded rows of one chapter, or ``None`` when nothing was recorded."""
-    path = os.path.join(results_dir or default_results_dir(), f"{chapter}.csv")
-    if not os.path.exists(path):
+    """The recorded rows of one chapter, or ``None`` when nothing was recorded.
+
+    ``results_dir`` defaults to ``book/results`` (or ``results``, inside ``book/``)
+    under the current directory.
+    """
+    folder = _results_dir(results_dir)
+    path = None if folder is None else os.path.join(folder, f"{chapter}.csv")
+    if path is None or not os.path.exists(path):
         return None
     return pd.read_csv(path, keep_default_na=False, na_values=["nan", "NaN", ""])
 
@@ -82,8 +92,9 @@ def plot_speedup(ax, rows: pd.DataFrame, x: str, baseline: str, providers: Seque
 
 
 def environment_info(results_dir: Optional[str] = None) -> Optional[dict]:
-    path = os.path.join(results_dir or default_results_dir(), "environment.json")
-    if not os.path.exists(path):
+    folder = _results_dir(results_dir)
+    path = None if folder is None else os.path.join(folder, "environment.json")
+    if path is None or not os.path.exists(path):
         return None
     with open(path) as fh:
         return json.load(fh)
