@@ -9,6 +9,7 @@ functions are importable from here; a subpackage is loaded the first time one of
 names is used, so ``import packed_kernels`` stays cheap.
 """
 import importlib as _importlib
+from typing import TYPE_CHECKING
 
 from . import runtime  # must come first: it decides compile vs interpret for @triton.jit
 from .packing import Packed, cu_seqlens_from_lengths, pack, unpack
@@ -28,6 +29,19 @@ _LAZY_NAMES = {
     "segmented_matvec": "ops.segment",
     "PersistentLSTM": "ops.lstm",
 }
+
+if TYPE_CHECKING:  # what the lazy names below resolve to, for type checkers and IDEs
+    from .ops.ctc import packed_ctc_loss
+    from .ops.lstm import PersistentLSTM
+    from .ops.segment import (
+        segmented_dot,
+        segmented_matvec,
+        segmented_mean,
+        segmented_mul,
+        segmented_rms_norm,
+        segmented_sum,
+    )
+    from .ops.sinkhorn import sinkhorn, sinkhorn_backward
 
 __all__ = ["Packed", "pack", "unpack", "cu_seqlens_from_lengths", *_LAZY_NAMES]
 
