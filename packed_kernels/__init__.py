@@ -12,7 +12,14 @@ import importlib as _importlib
 from typing import TYPE_CHECKING
 
 from . import runtime  # must come first: it decides compile vs interpret for @triton.jit
-from .packing import Packed, cu_seqlens_from_lengths, pack, unpack
+from .packing import (
+    Packed,
+    cu_seqlens_from_lengths,
+    pack,
+    segment_ids_from_cu_seqlens,
+    segment_ids_from_lengths,
+    unpack,
+)
 
 __version__ = "0.1.0"
 
@@ -43,7 +50,14 @@ if TYPE_CHECKING:  # what the lazy names below resolve to, for type checkers and
     )
     from .ops.sinkhorn import sinkhorn, sinkhorn_backward
 
-__all__ = ["Packed", "pack", "unpack", "cu_seqlens_from_lengths", *_LAZY_NAMES]
+__all__ = [
+    "Packed",
+    "pack",
+    "unpack",
+    "cu_seqlens_from_lengths",
+    "segment_ids_from_lengths",
+    "segment_ids_from_cu_seqlens",
+    *_LAZY_NAMES]
 
 
 def __getattr__(name):
