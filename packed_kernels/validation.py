@@ -125,8 +125,9 @@ def check_same_device(**tensors: torch.Tensor) -> None:
 
 
 def check_kernel_device(name: str, tensor: torch.Tensor) -> None:
-    """``tensor`` must live where the kernels run (:data:`runtime.KERNEL_DEVICE`)."""
-    if tensor.device.type != runtime.KERNEL_DEVICE:
+    """``tensor`` must live where the kernels run (:data:`runtime.KERNEL_DEVICE`), or on
+    the ``meta`` device (shape inference through the fake implementations)."""
+    if tensor.device.type not in (runtime.KERNEL_DEVICE, "meta"):
         where = (
             "Triton's interpreter runs the kernels on CPU tensors here (no CUDA GPU is visible)"
             if runtime.INTERPRETED
