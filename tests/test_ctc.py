@@ -15,7 +15,12 @@ import torch.nn.functional as F
 
 import packed_kernels as pk
 from packed_kernels import runtime
-from packed_kernels.ops.ctc import api as packed_loss
+from packed_kernels.ops.ctc.triton_kernels import (
+    ctc_backward_triton,
+    ctc_forward_config,
+    ctc_forward_triton,
+    ctc_gradient_config,
+)
 from packed_kernels.ops.ctc.naive_numpy import ctc_loss_numpy, ctc_utterance_numpy
 from packed_kernels.ops.ctc.padded_torch import ctc_loss_padded
 from tests.assertions import assert_close
@@ -316,27 +321,26 @@ def test_strided_offsets_targets_and_lengths(device, which):
     assert torch.equal(loss.detach(), expected_loss) and torch.equal(grad, expected_grad)
 
 
-RECURSIONS = [("pairs", "gather"), ("states", "gather"), ("states", "gather-joined"), ("states", "memory")]
-
-
-@pytest.mark.parametrize("recursion, shift", RECURSIONS, ids=["pairs"] + [f"states-{s}" for _, s in RECURSIONS[1:]])
-def test_recursion_variants(device, monkeypatch, recursion, shift):
-    """Every variant of the recursion kernel gives the reference results."""
-    monkeypatch.setattr(packed_loss, "RECURSION", recursion)
-    monkeypatch.setattr(packed_loss, "SHIFT", shift)
-    batch = make_batch([9, 14, 2, 0], 8, [3, 5, 1, 0], seed=31, labels=[[2, 2, 4], [0, 1, 1, 0, 3]],
-                       device=device)
-    check_against_references(batch, blank=0, reduction="none")
-
-
 @pytest.mark.parametrize("rows", [1, 4, 16])
-def test_gradient_rows_per_program(device, monkeypatch, rows):
+def test_gradient_rows_per_program(device, rows):
     """The gradient pass gives the same result whatever the number of packed rows per program,
     including programs whose rows span several utterances (and a zero-frame one)."""
-    monkeypatch.setattr(packed_loss, "_gradient_rows", lambda width: rows)
     batch = make_batch([5, 0, 3, 9, 1], 6, [2, 0, 1, 3, 1], seed=67, labels=[[1, 1], [], [2], [3, 0, 3]],
                        device=device)
-    check_against_references(batch, reduction="none")
+    B, U = len(batch.input_lengths), batch.targets.shape[1]
+    log_probs = batch.log_probs.detach()
+    arguments = (log_probs, batch.cu_seqlens, batch.targets, batch.target_lengths)
+    nll, *saved = ctc_forward_triton(*arguments, 0, ctc_forward_config(U))
+    config = ctc_gradient_config(B, log_probs.shape[1], U, rows_per_program=rows)
+    assert config.rows_per_program == rows
+    grad = ctc_backward_triton(torch.ones_like(nll), *arguments, nll, *saved, 0, "none", False, config)
+    ref_loss, ref_grad = run_numpy(batch, reduction="none")
+    assert_close("loss vs numpy", nll, ref_loss, atol=1e-10, rtol=1e-10)
+    assert_close("grad vs numpy", grad, ref_grad, atol=1e-10, rtol=1e-8)
+    torch_loss, torch_grad = run_torch(batch, reduction="none")
+    assert_close("loss vs torch", nll, torch_loss, atol=1e-10, rtol=1e-10)
+    keep = ~torch_cpu_last_frame_quirk(batch, 0).to(grad.device)
+    assert_close("grad vs torch", grad[keep], torch_grad[keep], atol=1e-10, rtol=1e-8)
 
 
 def test_label_groups_kernel_is_a_stable_sort(device):
@@ -346,9 +350,9 @@ def test_label_groups_kernel_is_a_stable_sort(device):
     B, U, C, blank = 5, 40, 6, 2
     targets = torch.randint(0, C, (B, U), generator=g).to(device)
     lengths = torch.tensor([40, 0, 17, 1, 33]).to(device)
-    labels, slots, run_starts = torch.ops.packed_kernels.ctc_forward(
+    labels, slots, run_starts = ctc_forward_triton(
         torch.zeros(3, C, device=device), torch.tensor([0, 1, 1, 2, 3, 3], dtype=torch.int32, device=device),
-        targets, lengths, blank, False)[2:]
+        targets, lengths, blank, ctc_forward_config(U))[2:]
     position = torch.arange(U + 1)
     for b in range(B):
         L = int(lengths[b])
@@ -360,6 +364,19 @@ def test_label_groups_kernel_is_a_stable_sort(device):
         assert slots[b].tolist() == expected_slots.tolist()
         firsts = [int((expected_labels < v).sum()) for v in expected_labels]
         assert run_starts[b].tolist() == firsts
+
+
+@pytest.mark.parametrize("reduction, zero_infinity", [("none", False), ("mean", True)])
+def test_custom_op_registration(device, reduction, zero_infinity):
+    """``torch.library.opcheck`` of ``packed_kernels::ctc_loss``: schema, fake implementation and
+    autograd formula, eager against AOTAutograd (which traces the backward op too). Every target
+    has length U and every utterance enough frames for it, so every output entry is written and
+    finite, and compared."""
+    batch = make_batch([7, 5, 6, 4], 6, [3, 3, 3, 3], seed=71, labels=[[1, 1, 2], [2, 3, 4], [5, 1, 5], [3, 4, 1]],
+                       device=device)
+    x = batch.log_probs.float().detach().requires_grad_()
+    torch.library.opcheck(torch.ops.packed_kernels.ctc_loss.default,
+                          (x, batch.cu_seqlens, batch.targets, batch.target_lengths, 0, reduction, zero_infinity))
 
 
 def test_deterministic(device):

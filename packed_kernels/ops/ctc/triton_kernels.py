@@ -1,35 +1,60 @@
-"""CTC loss, stage 3: Triton kernels over a packed batch.
+"""CTC loss, stage 3: Triton kernels over a packed batch, and their launchers.
 
 Two steps, one after the other:
 
-1. The forward: :func:`ctc_label_groups_kernel`, grid ``(B,)``, sorts each utterance's
-   target ids so that the gradient pass can sum repeated classes in a fixed order; then
-   :func:`ctc_alpha_beta_pairs_kernel`, grid ``(B, 2)``: for each utterance, program
-   ``(b, 0)`` runs the ``alpha`` recursion forward in time while program ``(b, 1)`` runs
-   the ``beta`` recursion backward in time; each stores its state for every frame in a
-   packed ``(T_total, 2U + 1)`` buffer, one row per packed frame, and the ``alpha``
-   program writes the utterance's loss.
-2. The gradient: :func:`ctc_gradient_kernel`, grid ``(cdiv(T_total, ROWS),)``: fully parallel over
-   packed rows. Every packed row belongs to exactly one utterance, so each program
-   writes its own gradient rows once, with no atomics.
-
-:func:`ctc_alpha_beta_kernel` is a variant of the recursion with one lane per state
-instead of one per (blank, label) pair; it computes the same values.
+1. The forward (:func:`ctc_forward_triton`): :func:`ctc_label_groups_kernel`, grid
+   ``(B,)``, sorts each utterance's target ids so that the gradient pass can sum
+   repeated classes in a fixed order; then :func:`ctc_alpha_beta_pairs_kernel`, grid
+   ``(B, 2)``: for each utterance, program ``(b, 0)`` runs the ``alpha`` recursion
+   forward in time while program ``(b, 1)`` runs the ``beta`` recursion backward in
+   time; each stores its state for every frame in a packed ``(T_total, 2U + 1)``
+   buffer, one row per packed frame, and the ``alpha`` program writes the utterance's
+   loss.
+2. The gradient (:func:`ctc_backward_triton`): :func:`ctc_gradient_kernel`, grid
+   ``(cdiv(T_total, ROWS),)``: fully parallel over packed rows. Every packed row belongs
+   to exactly one utterance, so each program writes its own gradient rows once, with no
+   atomics.
 
 Log-probabilities are read in their own dtype and every sum is done in float32
-(float64 for float64 inputs).
+(float64 for float64 inputs). The launchers take their launch choices as a
+:class:`CTCForwardConfig` and a :class:`CTCGradientConfig`, chosen by
+:func:`ctc_forward_config` and :func:`ctc_gradient_config`.
 """
 from __future__ import annotations
 
+import contextlib
+import dataclasses
+from typing import Optional
+
+import numpy as np
+import torch
 import triton
 import triton.language as tl
 
+from ... import runtime
+
 __all__ = [
-    "ctc_alpha_beta_kernel",
+    "CTCForwardConfig",
+    "CTCGradientConfig",
+    "REDUCTION_CODES",
+    "compute_dtype",
     "ctc_alpha_beta_pairs_kernel",
+    "ctc_backward_triton",
+    "ctc_forward_config",
+    "ctc_forward_triton",
+    "ctc_gradient_config",
     "ctc_gradient_kernel",
     "ctc_label_groups_kernel",
 ]
+
+#: How the gradient kernel weighs each utterance's loss (the batch reduction's
+#: derivative): ``grad_loss[b]`` per utterance, one ``grad_loss`` for the sum, or
+#: ``grad_loss / (B max(L_b, 1))`` for the mean.
+REDUCTION_NONE = tl.constexpr(0)
+REDUCTION_SUM = tl.constexpr(1)
+REDUCTION_MEAN = tl.constexpr(2)
+#: The ``reduction`` argument of the public function, as the kernel's constant.
+REDUCTION_CODES = {"none": REDUCTION_NONE.value, "sum": REDUCTION_SUM.value, "mean": REDUCTION_MEAN.value}
 
 
 @triton.jit
@@ -48,7 +73,7 @@ def _logaddexp3(a, b, c):
 
 
 @triton.jit
-def ctc_alpha_beta_kernel(
+def ctc_alpha_beta_pairs_kernel(
     log_probs_ptr, stride_lp_t, stride_lp_c,
     cu_seqlens_ptr,
     targets_ptr, stride_tg_b, stride_tg_u,
@@ -56,8 +81,7 @@ def ctc_alpha_beta_kernel(
     state_ptr, stride_direction, stride_state,
     nll_ptr,
     T_total, C, U, blank,
-    BLOCK_S: tl.constexpr,
-    SHIFT: tl.constexpr,
+    BLOCK_U: tl.constexpr,
 ):
     """Forward (``alpha``) and backward (``beta``) recursions of one utterance; grid ``(B, 2)``.
 
@@ -70,122 +94,8 @@ def ctc_alpha_beta_kernel(
         nll        = -logsumexp(alpha_{T-1}(2L), alpha_{T-1}(2L-1))
 
     (``nll = 0`` for an utterance with no frames and an empty target, ``inf`` with no
-    frames and a non-empty target.) Program ``(b, 1)`` computes ``beta``, which is the
-    same recursion run backward in time over the *reversed* extended label sequence:
-    lane ``r`` holds state ``s = 2L - r``, so "the state before" is ``s + 1`` and the skip
-    test compares ``l'_{s+2}`` with ``l'_s``. One code path serves both directions.
-
-    Each step's dependent chain is: shift the previous state by one and two lanes,
-    a three-term logsumexp, add the emission. The emissions ``lp[t, l'_s]`` do not depend
-    on the recursion; they are loaded two frames ahead so that their memory latency
-    overlaps the recursion instead of lengthening it. The shift is done either in
-    registers (``tl.gather``) or by reading the previous frame's row back from the state
-    buffer it was just stored to (after a barrier, so every lane's store is visible).
-    """
-    b = tl.program_id(0)
-    direction = tl.program_id(1)
-    backward = direction == 1
-    NEG_INF: tl.constexpr = float("-inf")
-    # Clamps keep every access in bounds even for inputs that could not be validated
-    # (while tracing or capturing); valid inputs pass through unchanged.
-    start = tl.minimum(tl.maximum(tl.load(cu_seqlens_ptr + b).to(tl.int32), 0), T_total)
-    end = tl.minimum(tl.maximum(tl.load(cu_seqlens_ptr + b + 1).to(tl.int32), start), T_total)
-    n_frames = end - start
-    L = tl.minimum(tl.maximum(tl.load(target_lengths_ptr + b).to(tl.int32), 0), U)
-    n_states = 2 * L + 1
-
-    lane = tl.arange(0, BLOCK_S)
-    active = lane < n_states
-    state_index = tl.where(backward, 2 * L - lane, lane)  # s held by this lane
-    state_index = tl.where(active, state_index, 0)
-    target_row = targets_ptr + b.to(tl.int64) * stride_tg_b
-
-    is_label = (state_index % 2) == 1
-    label = tl.load(target_row + ((state_index - 1) // 2) * stride_tg_u, mask=active & is_label, other=blank)
-    label = tl.minimum(tl.maximum(label.to(tl.int32), 0), C - 1)
-    label = tl.where(is_label, label, blank)
-    # the state two lanes back in recursion order: s - 2 forward, s + 2 backward
-    state_back2 = tl.where(backward, state_index + 2, state_index - 2)
-    back2_is_label = (state_back2 & 1) == 1
-    back2_ok = active & (lane >= 2) & back2_is_label
-    label_back2 = tl.load(target_row + ((state_back2 - 1) // 2) * stride_tg_u, mask=back2_ok, other=blank)
-    label_back2 = tl.minimum(tl.maximum(label_back2.to(tl.int32), 0), C - 1)
-    label_back2 = tl.where(back2_is_label, label_back2, blank)
-    can_skip = active & (lane >= 2) & (label_back2 != label)
-
-    state_ptr += direction.to(tl.int64) * stride_direction
-    label_offset = label.to(tl.int64) * stride_lp_c
-    # frame t of the recursion is packed row start + t (alpha) or end - 1 - t (beta)
-    first_row = tl.where(backward, end - 1, start).to(tl.int64)
-    row_step = tl.where(backward, -1, 1).to(tl.int64)
-
-    has_frames = n_frames > 0
-    # (a scalar condition joins a lane mask through tl.where: the interpreter rejects
-    # the broadcast view that `lanes & scalar` gives as a load or store mask)
-    emit = tl.load(log_probs_ptr + first_row * stride_lp_t + label_offset,
-                   mask=tl.where(has_frames, active, False), other=NEG_INF).to(state_ptr.dtype.element_ty)
-    state = tl.where(active & (lane < 2), emit, NEG_INF)
-    tl.store(state_ptr + first_row * stride_state + state_index, state, mask=tl.where(has_frames, active, False))
-
-    # prefetch the emissions of the next two frames
-    row_1 = first_row + row_step
-    emit_next = tl.load(log_probs_ptr + row_1 * stride_lp_t + label_offset,
-                        mask=tl.where(n_frames > 1, active, False), other=NEG_INF).to(state_ptr.dtype.element_ty)
-    row_2 = row_1 + row_step
-    emit_after = tl.load(log_probs_ptr + row_2 * stride_lp_t + label_offset,
-                         mask=tl.where(n_frames > 2, active, False), other=NEG_INF).to(state_ptr.dtype.element_ty)
-
-    previous_row = first_row
-    for t in range(1, n_frames):
-        row = previous_row + row_step
-        emit = emit_next
-        emit_next = emit_after
-        ahead = row + 2 * row_step
-        emit_after = tl.load(log_probs_ptr + ahead * stride_lp_t + label_offset,
-                             mask=tl.where(t + 2 < n_frames, active, False), other=NEG_INF).to(state_ptr.dtype.element_ty)
-        if SHIFT == 1:
-            back1 = tl.gather(state, tl.maximum(lane - 1, 0), 0)
-            back2 = tl.gather(state, tl.maximum(lane - 2, 0), 0)
-        elif SHIFT == 2:
-            # both shifts through one gather of a (BLOCK_S, 2) tensor
-            both = tl.gather(tl.join(state, state), tl.join(tl.maximum(lane - 1, 0), tl.maximum(lane - 2, 0)), 0)
-            back1, back2 = tl.split(both)
-        else:
-            # The previous frame's row was stored by other threads of this program.
-            tl.debug_barrier()
-            previous = state_ptr + previous_row * stride_state
-            state_back1 = tl.where(backward, state_index + 1, state_index - 1)
-            back1 = tl.load(previous + state_back1, mask=active & (lane >= 1), other=NEG_INF)
-            back2 = tl.load(previous + state_back2, mask=can_skip, other=NEG_INF)
-        back1 = tl.where(lane >= 1, back1, NEG_INF)
-        back2 = tl.where(can_skip, back2, NEG_INF)
-        state = _logaddexp3(state, back1, back2) + emit
-        state = tl.where(active, state, NEG_INF)
-        tl.store(state_ptr + row * stride_state + state_index, state, mask=active)
-        previous_row = row
-
-    if direction == 0:
-        # The loss needs the last frame's two final states: lanes 2L and 2L - 1.
-        final_blank = tl.max(tl.where(lane == 2 * L, state, NEG_INF), axis=0)
-        final_label = tl.max(tl.where((lane == 2 * L - 1) & (L > 0), state, NEG_INF), axis=0)
-        nll = -_logaddexp(final_blank, final_label)
-        no_frames_nll = tl.where(L == 0, 0.0, float("inf")).to(nll.dtype)
-        nll = tl.where(has_frames, nll, no_frames_nll)
-        tl.store(nll_ptr + b, nll)
-
-
-@triton.jit
-def ctc_alpha_beta_pairs_kernel(
-    log_probs_ptr, stride_lp_t, stride_lp_c,
-    cu_seqlens_ptr,
-    targets_ptr, stride_tg_b, stride_tg_u,
-    target_lengths_ptr,
-    state_ptr, stride_direction, stride_state,
-    nll_ptr,
-    T_total, C, U, blank,
-    BLOCK_U: tl.constexpr,
-):
-    """The same recursions as :func:`ctc_alpha_beta_kernel`, on (blank, label) pairs; grid ``(B, 2)``.
+    frames and a non-empty target.) Program ``(b, 1)`` computes ``beta``, the same
+    recursion run backward in time over the reversed target. One code path serves both.
 
     The states alternate blank, label, blank, ...: lane ``k`` holds the blank state
     ``e_k`` (``s = 2k``) and the label state ``o_k`` (``s = 2k + 1``, label ``l_{k+1}``)::
@@ -193,15 +103,18 @@ def ctc_alpha_beta_pairs_kernel(
         e_k <- lp[t, blank]  + logsumexp(e_k, o_{k-1})
         o_k <- lp[t, l_{k+1}] + logsumexp(o_k, e_k, o_{k-1} if l_{k+1} != l_k)
 
-    Only ``o`` has to move between lanes, by one: one ``tl.gather`` per step on half as
-    many lanes, instead of shifting all ``2L + 1`` states by one and by two. The blank's
-    emission is one number per frame. ``beta`` runs the same code over reversed time and
-    the reversed target (lane ``k`` then holds ``s = 2L - 2k`` and ``s = 2L - 2k - 1``).
+    Only ``o`` has to move between lanes, by one: one ``tl.gather`` per step. The
+    blank's emission is one number per frame. For ``beta`` lane ``k`` holds
+    ``s = 2L - 2k`` and ``s = 2L - 2k - 1``. The emissions do not depend on the
+    recursion; they are loaded two frames ahead so that their memory latency overlaps
+    the recursion instead of lengthening it.
     """
     b = tl.program_id(0)
     direction = tl.program_id(1)
     backward = direction == 1
     NEG_INF: tl.constexpr = float("-inf")
+    # Clamps keep every access in bounds even for inputs that could not be validated
+    # (while tracing or capturing); valid inputs pass through unchanged.
     start = tl.minimum(tl.maximum(tl.load(cu_seqlens_ptr + b).to(tl.int32), 0), T_total)
     end = tl.minimum(tl.maximum(tl.load(cu_seqlens_ptr + b + 1).to(tl.int32), start), T_total)
     n_frames = end - start
@@ -230,7 +143,8 @@ def ctc_alpha_beta_pairs_kernel(
     first_row = tl.where(backward, end - 1, start).to(tl.int64)
     row_step = tl.where(backward, -1, 1).to(tl.int64)
     has_frames = n_frames > 0
-    # (scalar conditions join lane masks through tl.where; see ctc_alpha_beta_kernel)
+    # (a scalar condition joins a lane mask through tl.where: the interpreter rejects
+    # the broadcast view that `lanes & scalar` gives as a load or store mask)
     blank_emit = tl.load(log_probs_ptr + first_row * stride_lp_t + blank_offset, mask=has_frames,
                          other=NEG_INF).to(dtype)
     label_emit = tl.load(log_probs_ptr + first_row * stride_lp_t + label_offset,
@@ -303,8 +217,8 @@ def ctc_gradient_kernel(
     """Gradient of the per-utterance losses for ``ROWS`` packed frames; grid ``(cdiv(T_total, ROWS),)``.
 
     For frame ``t`` of utterance ``b``, with ``g`` the gradient of the loss with respect
-    to ``nll_b`` (``grad_loss[b]`` for ``REDUCTION = 0``, none; ``grad_loss`` for 1, sum;
-    ``grad_loss / (B max(L_b, 1))`` for 2, mean), PyTorch's convention
+    to ``nll_b`` (``grad_loss[b]`` for ``REDUCTION_NONE``, ``grad_loss`` for ``REDUCTION_SUM``,
+    ``grad_loss / (B max(L_b, 1))`` for ``REDUCTION_MEAN``), PyTorch's convention
     (the derivative as if through a log-softmax) is::
 
         grad[t, c] = exp(lp[t, c]) * g - exp(gamma_t(c) + nll_b - lp[t, c]) * g,
@@ -345,7 +259,7 @@ def ctc_gradient_kernel(
     L = tl.minimum(tl.maximum(tl.load(target_lengths_ptr + owner).to(tl.int32), 0), U)
     nll = tl.load(nll_ptr + owner)
     g = tl.load(grad_loss_ptr + owner * stride_grad_loss).to(nll.dtype)
-    if REDUCTION == 2:
+    if REDUCTION == REDUCTION_MEAN:
         g = g / B / tl.maximum(L, 1).to(nll.dtype)
 
     rows64 = rows.to(tl.int64)
@@ -451,3 +365,165 @@ def ctc_label_groups_kernel(
     tl.store(slots_ptr + out, k, mask=in_list)
     tl.store(run_starts_ptr + out, smaller, mask=in_list)
 
+
+
+# ---------------------------------------------------------------------------------------
+# the launchers
+
+
+def compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype the kernels compute in for ``log_probs`` of ``dtype``: float64 for
+    float64, float32 otherwise."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _kernel_numerics():
+    """Under the interpreter, numpy would warn about ``log(0) = -inf`` and ``-inf - -inf``,
+    which the kernels produce on purpose for unreachable states (and then mask)."""
+    if runtime.INTERPRETED:
+        return np.errstate(divide="ignore", invalid="ignore", over="ignore", under="ignore")
+    return contextlib.nullcontext()
+
+
+@dataclasses.dataclass(frozen=True)
+class CTCForwardConfig:
+    """Launch choices of the forward kernels (the label sort and the recursion)."""
+
+    #: Lanes of the recursion (one per blank-and-label pair) and slots of the sort: a
+    #: power of two covering the ``U + 1`` pairs.
+    block_labels: int
+    #: Slots the sort compares against all the others per step.
+    sort_block: int
+    sort_num_warps: int
+    recursion_num_warps: int
+
+
+def ctc_forward_config(U: int) -> CTCForwardConfig:
+    """The forward's launch choices for targets padded to ``U`` labels."""
+    block_labels = max(16, runtime.next_power_of_2(U + 1))
+    return CTCForwardConfig(
+        block_labels=block_labels,
+        sort_block=max(1, min(16, 4096 // block_labels)),
+        sort_num_warps=4,
+        # The recursion is bound by each step's latency, not by throughput: one
+        # (blank, label) pair per thread keeps a step's chain shortest.
+        recursion_num_warps=max(1, min(16, block_labels // 32)),
+    )
+
+
+@runtime.on_inputs_device
+def ctc_forward_triton(log_probs, cu_seqlens, targets, target_lengths, blank: int, config: CTCForwardConfig):
+    """Per-utterance losses ``nll`` (B,), the ``(2, T_total, 2U + 1)`` alpha/beta state and
+    the sorted label slots ``(labels, slots, run_starts)``, each int32 ``(B, U + 1)``.
+
+    ``cu_seqlens`` and ``target_lengths`` must be contiguous; ``log_probs`` and
+    ``targets`` may have any strides.
+    """
+    T_total, C = log_probs.shape
+    B, U = cu_seqlens.shape[0] - 1, targets.shape[1]
+    dtype = compute_dtype(log_probs.dtype)
+    device = log_probs.device
+    nll = torch.empty(B, dtype=dtype, device=device)
+    # state[0] holds alpha, state[1] beta, one row per packed frame
+    state = torch.empty((2, T_total, 2 * U + 1), dtype=dtype, device=device)
+    # each utterance's label slots sorted by class (see ctc_label_groups_kernel)
+    labels, slots, run_starts = (torch.empty((B, U + 1), dtype=torch.int32, device=device) for _ in range(3))
+    if B == 0:
+        return nll, state, labels, slots, run_starts
+    with _kernel_numerics():
+        ctc_label_groups_kernel[(B,)](
+            targets, targets.stride(0), targets.stride(1),
+            target_lengths,
+            labels, slots, run_starts, labels.stride(0),
+            C, U, blank,
+            BLOCK_K=config.block_labels,
+            BLOCK_J=config.sort_block,
+            num_warps=config.sort_num_warps,
+        )
+        ctc_alpha_beta_pairs_kernel[(B, 2)](
+            log_probs, log_probs.stride(0), log_probs.stride(1),
+            cu_seqlens,
+            targets, targets.stride(0), targets.stride(1),
+            target_lengths,
+            state, state.stride(0), state.stride(1),
+            nll,
+            T_total, C, U, blank,
+            BLOCK_U=config.block_labels,
+            num_warps=config.recursion_num_warps,
+        )
+    return nll, state, labels, slots, run_starts
+
+
+@dataclasses.dataclass(frozen=True)
+class CTCGradientConfig:
+    """Launch choices of :func:`ctc_gradient_kernel`."""
+
+    #: Packed rows per program (``ROWS``); a program's rows may span several utterances.
+    rows_per_program: int
+    #: Utterance ends compared per step when finding each row's utterance (``BLOCK_B``).
+    block_batch: int
+    #: Label slots per row: a power of two covering the ``U + 1`` slots (``BLOCK_K``).
+    block_labels: int
+    #: Classes per tile of the vocabulary pass (``BLOCK_C``).
+    block_classes: int
+    num_warps: int
+
+
+def ctc_gradient_config(B: int, C: int, U: int, rows_per_program: Optional[int] = None) -> CTCGradientConfig:
+    """The gradient kernel's launch choices for ``B`` utterances, ``C`` classes and targets
+    padded to ``U`` labels; ``rows_per_program`` overrides the number of packed rows per
+    program (the other choices follow from it)."""
+    block_classes = min(1024, max(16, runtime.next_power_of_2(C)))
+    block_labels = max(16, runtime.next_power_of_2(U + 1))
+    block_width = max(block_classes, block_labels)
+    if rows_per_program is None:
+        # Several packed rows per program when rows are short (a small vocabulary, few
+        # labels), so that each program's tiles hold about 2048 elements; under the
+        # interpreter, as many as possible, since its cost is per program and per
+        # operation, not per element.
+        rows_per_program = 64 if runtime.INTERPRETED else max(1, min(32, 2048 // block_width))
+    return CTCGradientConfig(
+        rows_per_program=rows_per_program,
+        block_batch=max(16, min(runtime.next_power_of_2(B), 4096 // rows_per_program)),
+        block_labels=block_labels,
+        block_classes=block_classes,
+        # 8 warps for a 4096-element tile: 16 elements of each live tensor per thread.
+        num_warps=max(1, min(8, rows_per_program * block_width // 512)),
+    )
+
+
+@runtime.on_inputs_device
+def ctc_backward_triton(grad_loss, log_probs, cu_seqlens, targets, target_lengths, nll, state, labels, slots,
+                        run_starts, blank: int, reduction: str, zero_infinity: bool, config: CTCGradientConfig):
+    """``d loss / d log_probs`` (T_total, C) in log_probs' dtype, from the gradient of the loss.
+
+    ``grad_loss`` is the gradient of the *reduced* loss: ``(B,)`` for ``"none"``, a scalar
+    for ``"sum"`` and ``"mean"``; the kernel derives each utterance's share itself. The
+    other tensors are ``ctc_forward_triton``'s inputs and outputs.
+    """
+    T_total, C = log_probs.shape
+    B, U = cu_seqlens.shape[0] - 1, targets.shape[1]
+    grad = torch.empty((T_total, C), dtype=log_probs.dtype, device=log_probs.device)
+    if B == 0 or T_total == 0:
+        return grad.zero_()
+    if grad_loss.dtype != nll.dtype:
+        grad_loss = grad_loss.to(nll.dtype)
+    grad_stride = grad_loss.stride(0) if grad_loss.dim() == 1 else 0
+    with _kernel_numerics():
+        ctc_gradient_kernel[(runtime.cdiv(T_total, config.rows_per_program),)](
+            log_probs, log_probs.stride(0), log_probs.stride(1),
+            grad, grad.stride(0),
+            cu_seqlens, target_lengths,
+            nll, grad_loss, grad_stride,
+            state[0], state[1], state.stride(1),
+            labels, slots, run_starts, labels.stride(0),
+            B, T_total, C, U, blank,
+            ZERO_INFINITY=bool(zero_infinity),
+            REDUCTION=REDUCTION_CODES[reduction],
+            ROWS=config.rows_per_program,
+            BLOCK_B=config.block_batch,
+            BLOCK_K=config.block_labels,
+            BLOCK_C=config.block_classes,
+            num_warps=config.num_warps,
+        )
+    return grad
