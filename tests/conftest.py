@@ -1,7 +1,9 @@
 """Shared fixtures: the tests are written once and run where the kernels run.
 
 On a CUDA machine the Triton kernels are compiled and the ``device`` fixture is
-``"cuda"``; without a GPU they run through Triton's interpreter on ``"cpu"``.
+``"cuda"``; without a GPU they run through Triton's interpreter on ``"cpu"``. A test
+that needs compiled kernels (large sizes, programs that wait for each other, CUDA
+graphs) is marked ``@pytest.mark.gpu_only`` and is skipped under the interpreter.
 """
 import pytest
 import torch
@@ -29,3 +31,16 @@ def pytest_report_header(config):
 
     where = "interpreted on the CPU" if runtime.INTERPRETED else "compiled for the GPU"
     return f"torch {torch.__version__}, triton {triton.__version__}: Triton kernels {where}"
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "gpu_only: needs the compiled kernels on a CUDA GPU")
+
+
+def pytest_collection_modifyitems(config, items):
+    if not runtime.INTERPRETED:
+        return
+    skip = pytest.mark.skip(reason="needs the compiled kernels on a CUDA GPU (here they are interpreted)")
+    for item in items:
+        if "gpu_only" in item.keywords:
+            item.add_marker(skip)
