@@ -104,7 +104,7 @@ def _provider(op: str, provider: str, order: str, n_rows: int, mean_length: int,
         elif provider == "segment_reduce":
             fn = _segment_reduce(op, counts)
         elif provider == "padded":
-            fn = getattr(padded_torch, f"segmented_{op}")
+            fn = getattr(padded_torch, f"segmented_{op}_padded")
         else:
             raise ValueError(provider)
         if order == "forward":

@@ -1,4 +1,4 @@
-"""The public segment operations: checked arguments, then the Triton custom operators.
+"""The public segment operations: checked arguments, then the Triton operators.
 
 Rows ``x[i]`` belong to segment ``idx[i]``; ``idx`` is int32, sorted, in
 ``[0, num_segments)``. A segment with no rows gives 0 (also for ``mean`` and
@@ -7,56 +7,483 @@ Rows ``x[i]`` belong to segment ``idx[i]``; ``idx`` is int32, sorted, in
 dtype. All six are differentiable twice (the second derivative in eager mode), usable
 inside ``torch.compile(fullgraph=True)`` (forward and first backward), and
 deterministic: no atomics, the same inputs give bitwise the same results.
+
+The Triton kernels are :class:`~packed_kernels.dispatch.Operator` s (custom ops under
+``packed_kernels::segment_*`` and their eager twins). Each takes and returns 2-D tensors
+(rows ``(N, C)``, segment rows ``(S, C)``) and has a fake (shape-only) implementation and
+a registered autograd formula whose backward is itself made of these operators.
+Differentiating twice therefore runs Triton kernels again, never a composition of
+PyTorch ops:
+
+=====================  =========================================  ==================================
+operator               forward                                    backward (its adjoint)
+=====================  =========================================  ==================================
+``sum``                ``out[s] = sum_{i in s} x[i]``              ``gather``: ``dx[i] = g[s]``
+``gather``             ``out[i] = b[s]``                           ``sum`` of the upstream gradient
+``mean``               ``out[s] = sum_{i in s} x[i] / n_s``        ``gather_over_count``
+``gather_over_count``  ``out[i] = b[s] / n_s``                     ``mean`` of the upstream gradient
+``dot``                ``out[s] = sum_{i in s} a[i] * b[i]``       ``scale_rows`` (twice)
+                       (summed over columns when ``rowwise``)
+``scale_rows``         ``out[i] = a[i] * b[s]``                    ``scale_rows`` and ``dot``
+``rms``                ``r_s = sqrt(sum_{i in s} |x_i|^2 / n_s)``  ``rms_backward``
+``rms_backward``       ``dx_i = x_i g_s / (n_s r_s)``              itself, ``dot`` and a per-segment kernel
+``matvec``             ``out[i] = m_s^T v_i`` (or ``m_s v_i``)     ``matvec`` (other side) and ``outer``
+``outer``              ``out[s] = sum_{i in s} a_i b_i^T``         ``matvec`` (both sides)
+=====================  =========================================  ==================================
+
+Here ``s = idx[i]`` and ``n_s`` is the number of rows of segment ``s``. Every operator's
+last argument is the launch configuration as text (:func:`config_text` of a
+:class:`~.triton_kernels.SegmentConfig`; ``None``: the default), so that a test can run
+a whole chain of derivatives with a small one; the public functions pass ``None``.
 """
 from __future__ import annotations
 
+import dataclasses
+import functools
+import json
+from typing import Optional
+
 import torch
+from torch import Tensor
 
-from . import custom_ops as ops
-from .validation import check_devices, check_idx, check_num_segments, check_same_dtype, check_tensor
+from ...dispatch import is_traced, operator
+from ...validation import (
+    check_float_tensor,
+    check_kernel_device,
+    check_rank,
+    check_same_device,
+    check_same_dtype,
+    check_tensor,
+    integer_argument,
+)
+from . import triton_kernels as tk
+
+__all__ = [
+    "segmented_sum",
+    "segmented_mean",
+    "segmented_dot",
+    "segmented_mul",
+    "segmented_rms_norm",
+    "segmented_matvec",
+]
 
 
-def _as_rows(x: torch.Tensor) -> torch.Tensor:
+# --- argument checks ------------------------------------------------------------------------
+
+def _check_rows(name: str, value, dims) -> None:
+    """A floating tensor of one of ``dims`` ranks, without empty trailing dimensions."""
+    check_float_tensor(name, value, dims)
+    if value.dim() >= 2 and any(size == 0 for size in value.shape[1:]):
+        raise ValueError(f"{name} must have non-empty trailing dimensions; got shape {tuple(value.shape)}")
+
+
+def _check_num_segments(num_segments) -> int:
+    num_segments = integer_argument("num_segments", num_segments, "a Python int")
+    if num_segments < 0:
+        raise ValueError(f"num_segments must be >= 0; got {num_segments}")
+    return num_segments
+
+
+def _check_idx(idx, n_rows: int, num_segments: int, rows_name: str) -> None:
+    """``idx``: int32, 1-D, one entry per row, sorted, each in ``[0, num_segments)``.
+
+    The value checks read ``idx`` on the host (one synchronisation); they are skipped
+    while ``torch.compile`` traces or a CUDA graph is captured.
+    """
+    check_tensor("idx", idx)
+    if idx.dtype != torch.int32:
+        raise TypeError(f"idx must be int32; got {idx.dtype}")
+    check_rank("idx", idx, 1)
+    if idx.shape[0] != n_rows:
+        raise ValueError(f"idx must have one entry per row of {rows_name} ({n_rows}); got {idx.shape[0]} entries")
+    if n_rows == 0 or is_traced():
+        return
+    descending = (idx[1:] < idx[:-1]).sum() if n_rows > 1 else idx.new_zeros(())
+    low, high = torch.aminmax(idx)
+    low, high, unsorted = torch.stack([low, high, descending.to(torch.int32)]).tolist()
+    if low < 0:
+        raise ValueError(f"idx must be >= 0; got a minimum of {low}")
+    if high >= num_segments:
+        raise ValueError(f"idx must be < num_segments ({num_segments}); got a maximum of {high}")
+    if unsorted:
+        raise ValueError(f"idx must be sorted in non-decreasing order; {unsorted} entries are smaller than the one before")
+
+
+def _check_one_input(x, idx, num_segments) -> int:
+    """The checks of ``sum``, ``mean`` and ``rms_norm``; returns ``num_segments`` as an int."""
+    num_segments = _check_num_segments(num_segments)
+    _check_rows("x", x, (1, 2))
+    _check_devices(x=x, idx=idx)
+    _check_idx(idx, x.shape[0], num_segments, "x")
+    return num_segments
+
+
+def _check_pair(rows_name: str, rows, name: str, value, idx, num_segments: int) -> None:
+    """The checks of the two-input operations after their shapes: ``value`` has the dtype
+    and device of ``rows``, and ``idx`` indexes the rows."""
+    check_same_dtype(name, value, rows_name, rows)
+    _check_devices(**{rows_name: rows, name: value, "idx": idx})
+    _check_idx(idx, rows.shape[0], num_segments, rows_name)
+
+
+def _check_devices(**tensors) -> None:
+    """Every argument a tensor, all on one device, and that device the kernels' own."""
+    for name, value in tensors.items():
+        check_tensor(name, value)
+    check_same_device(**tensors)
+    name, first = next(iter(tensors.items()))
+    check_kernel_device(name, first)
+
+
+# --- the launch configuration, as the operators take it -------------------------------------
+
+def config_text(config: Optional[tk.SegmentConfig]) -> Optional[str]:
+    """``config`` as the operators take it: its fields as JSON text (``None`` stays ``None``)."""
+    return None if config is None else json.dumps(dataclasses.asdict(config), sort_keys=True)
+
+
+@functools.lru_cache(maxsize=32)
+def _config(text: Optional[str]) -> Optional[tk.SegmentConfig]:
+    return None if text is None else tk.SegmentConfig(**json.loads(text))
+
+
+# --- the operators: sum and its adjoint, gather ---------------------------------------------
+
+def _operator(name: str):
+    return operator(f"segment_{name}")
+
+
+@_operator("sum")
+def segment_sum_op(x: Tensor, idx: Tensor, num_segments: int, config: Optional[str]) -> Tensor:
+    return tk.segment_reduce_triton(x.contiguous(), None, idx, num_segments, tk.ROW_VALUE, tk.TOTAL, False,
+                                    config=_config(config))[0]
+
+
+@segment_sum_op.register_fake
+def _(x, idx, num_segments, config):
+    return x.new_empty((num_segments, x.shape[1]))
+
+
+@_operator("gather")
+def segment_gather_op(b: Tensor, idx: Tensor, config: Optional[str]) -> Tensor:
+    return tk.segment_rowwise_triton(tk.GATHER, None, b.contiguous(), idx, config=_config(config))
+
+
+@segment_gather_op.register_fake
+def _(b, idx, config):
+    return b.new_empty((idx.shape[0], b.shape[1]))
+
+
+def _save_idx_and_segments(ctx, inputs, output):
+    ctx.save_for_backward(inputs[1])
+    ctx.num_segments = inputs[0].shape[0]
+    ctx.config = inputs[-1]
+
+
+def _save_idx(ctx, inputs, output):
+    ctx.save_for_backward(inputs[1])
+    ctx.config = inputs[-1]
+
+
+def _sum_backward(ctx, grad):
+    (idx,) = ctx.saved_tensors
+    return segment_gather_op.within(ctx)(grad, idx, ctx.config), None, None, None
+
+
+def _gather_backward(ctx, grad):
+    (idx,) = ctx.saved_tensors
+    return segment_sum_op.within(ctx)(grad, idx, ctx.num_segments, ctx.config), None, None
+
+
+segment_sum_op.register_autograd(_sum_backward, setup_context=_save_idx)
+segment_gather_op.register_autograd(_gather_backward, setup_context=_save_idx_and_segments)
+
+
+# --- mean and its adjoint, gather_over_count ------------------------------------------------
+
+def needs_counts(x: Tensor) -> bool:
+    """Whether autograd will need the row counts of a ``mean`` of ``x`` (its backward
+    divides by them). Without a gradient the forward skips writing them."""
+    return torch.is_grad_enabled() and x.requires_grad
+
+
+@_operator("mean")
+def segment_mean_op(x: Tensor, idx: Tensor, num_segments: int, with_counts: bool,
+                    config: Optional[str]) -> tuple[Tensor, Tensor]:
+    """``(mean, counts)``; ``counts`` (what the gradient needs) is empty unless ``with_counts``."""
+    return tk.segment_reduce_triton(x.contiguous(), None, idx, num_segments, tk.ROW_VALUE, tk.DIVIDE_BY_COUNT,
+                                    with_counts, config=_config(config))
+
+
+@segment_mean_op.register_fake
+def _(x, idx, num_segments, with_counts, config):
+    return x.new_empty((num_segments, x.shape[1])), idx.new_empty((num_segments if with_counts else 0,))
+
+
+@_operator("gather_over_count")
+def segment_gather_over_count_op(b: Tensor, idx: Tensor, counts: Tensor, config: Optional[str]) -> Tensor:
+    return tk.segment_rowwise_triton(tk.GATHER_OVER_COUNT, None, b.contiguous(), idx, counts=counts,
+                                     config=_config(config))
+
+
+@segment_gather_over_count_op.register_fake
+def _(b, idx, counts, config):
+    return b.new_empty((idx.shape[0], b.shape[1]))
+
+
+def _mean_setup(ctx, inputs, output):
+    ctx.mark_non_differentiable(output[1])
+    ctx.save_for_backward(inputs[1], output[1])
+    ctx.config = inputs[-1]
+
+
+def _mean_backward(ctx, grad, _grad_counts):
+    idx, counts = ctx.saved_tensors
+    if counts.shape[0] != grad.shape[0]:
+        raise RuntimeError("segment mean: the row counts its gradient needs were not written "
+                           "(segment_mean_op was called with with_counts=False)")
+    return segment_gather_over_count_op.within(ctx)(grad, idx, counts, ctx.config), None, None, None, None
+
+
+def _gather_over_count_backward(ctx, grad):
+    (idx,) = ctx.saved_tensors
+    mean = segment_mean_op.within(ctx)(grad, idx, ctx.num_segments, needs_counts(grad), ctx.config)[0]
+    return mean, None, None, None
+
+
+segment_mean_op.register_autograd(_mean_backward, setup_context=_mean_setup)
+segment_gather_over_count_op.register_autograd(_gather_over_count_backward, setup_context=_save_idx_and_segments)
+
+
+# --- dot and scale_rows (mul) ----------------------------------------------------------------
+
+@_operator("dot")
+def segment_dot_op(a: Tensor, b: Tensor, idx: Tensor, num_segments: int, rowwise: bool,
+                   config: Optional[str]) -> Tensor:
+    prologue = tk.ROW_DOT if rowwise else tk.ROW_PRODUCT
+    return tk.segment_reduce_triton(a.contiguous(), b.contiguous(), idx, num_segments, prologue, tk.TOTAL, False,
+                                    config=_config(config))[0]
+
+
+@segment_dot_op.register_fake
+def _(a, b, idx, num_segments, rowwise, config):
+    return a.new_empty((num_segments, 1 if rowwise else a.shape[1]))
+
+
+@_operator("scale_rows")
+def segment_scale_rows_op(a: Tensor, b: Tensor, idx: Tensor, config: Optional[str]) -> Tensor:
+    return tk.segment_rowwise_triton(tk.SCALE_ROWS, a.contiguous(), b.contiguous(), idx, config=_config(config))
+
+
+@segment_scale_rows_op.register_fake
+def _(a, b, idx, config):
+    return torch.empty_like(a, memory_format=torch.contiguous_format)
+
+
+def _save_two_and_idx(ctx, inputs, output):
+    """Setup of ``dot``, ``scale_rows`` and ``outer``: the two operands and ``idx``."""
+    a, b, idx = inputs[:3]
+    ctx.save_for_backward(a, b, idx)
+    ctx.config = inputs[-1]
+
+
+def _dot_backward(ctx, grad):
+    a, b, idx = ctx.saved_tensors
+    scale_rows = segment_scale_rows_op.within(ctx)
+    grad_a = scale_rows(b, grad, idx, ctx.config) if ctx.needs_input_grad[0] else None
+    grad_b = scale_rows(a, grad, idx, ctx.config) if ctx.needs_input_grad[1] else None
+    return grad_a, grad_b, None, None, None, None
+
+
+def _scale_rows_backward(ctx, grad):
+    a, b, idx = ctx.saved_tensors
+    grad_a = segment_scale_rows_op.within(ctx)(grad, b, idx, ctx.config) if ctx.needs_input_grad[0] else None
+    grad_b = None
+    if ctx.needs_input_grad[1]:
+        # A one-column b is broadcast over the row: its gradient sums the row's products.
+        grad_b = segment_dot_op.within(ctx)(grad, a, idx, b.shape[0], b.shape[1] == 1 and a.shape[1] != 1,
+                                            ctx.config)
+    return grad_a, grad_b, None, None
+
+
+segment_dot_op.register_autograd(_dot_backward, setup_context=_save_two_and_idx)
+segment_scale_rows_op.register_autograd(_scale_rows_backward, setup_context=_save_two_and_idx)
+
+
+# --- rms_norm ----------------------------------------------------------------------------
+
+@_operator("rms")
+def segment_rms_op(x: Tensor, idx: Tensor, num_segments: int, config: Optional[str]) -> tuple[Tensor, Tensor]:
+    return tk.segment_reduce_triton(x.contiguous(), None, idx, num_segments, tk.ROW_SQUARED_NORM, tk.SQRT_OF_MEAN,
+                                    True, config=_config(config))
+
+
+@segment_rms_op.register_fake
+def _(x, idx, num_segments, config):
+    return x.new_empty((num_segments, 1)), idx.new_empty((num_segments,))
+
+
+@_operator("rms_backward")
+def segment_rms_backward_op(g: Tensor, x: Tensor, r: Tensor, counts: Tensor, idx: Tensor,
+                            config: Optional[str]) -> Tensor:
+    return tk.segment_rowwise_triton(tk.RMS_BACKWARD, x.contiguous(), g.contiguous(), idx, counts=counts,
+                                     r=r.contiguous(), config=_config(config))
+
+
+@segment_rms_backward_op.register_fake
+def _(g, x, r, counts, idx, config):
+    return torch.empty_like(x, memory_format=torch.contiguous_format)
+
+
+@_operator("rms_double_backward")
+def segment_rms_double_backward_op(p: Tensor, g: Tensor, r: Tensor, counts: Tensor) -> tuple[Tensor, Tensor]:
+    return tk.rms_norm_double_backward_triton(p.contiguous(), g.contiguous(), r.contiguous(), counts)
+
+
+@segment_rms_double_backward_op.register_fake
+def _(p, g, r, counts):
+    return torch.empty_like(g, memory_format=torch.contiguous_format), torch.empty_like(r, memory_format=torch.contiguous_format)
+
+
+def _rms_setup(ctx, inputs, output):
+    x, idx, _, config = inputs
+    r, counts = output
+    ctx.mark_non_differentiable(counts)
+    ctx.save_for_backward(x, idx, r, counts)
+    ctx.config = config
+
+
+def _rms_backward(ctx, grad, _grad_counts):
+    x, idx, r, counts = ctx.saved_tensors
+    return segment_rms_backward_op.within(ctx)(grad, x, r, counts, idx, ctx.config), None, None, None
+
+
+def _rms_backward_setup(ctx, inputs, output):
+    g, x, r, counts, idx, config = inputs
+    ctx.save_for_backward(g, x, r, counts, idx)
+    ctx.config = config
+
+
+def _rms_backward_backward(ctx, grad):
+    g, x, r, counts, idx = ctx.saved_tensors
+    grad_x = None
+    if ctx.needs_input_grad[1]:
+        grad_x = segment_rms_backward_op.within(ctx)(g, grad, r, counts, idx, ctx.config)
+    grad_g = grad_r = None
+    if ctx.needs_input_grad[0] or ctx.needs_input_grad[2]:
+        p = segment_dot_op.within(ctx)(grad, x, idx, g.shape[0], True, ctx.config)
+        grad_g, grad_r = segment_rms_double_backward_op.within(ctx)(p, g, r, counts)
+    return grad_g, grad_x, grad_r, None, None, None
+
+
+segment_rms_op.register_autograd(_rms_backward, setup_context=_rms_setup)
+segment_rms_backward_op.register_autograd(_rms_backward_backward, setup_context=_rms_backward_setup)
+
+
+# --- matvec and its companion, outer ----------------------------------------------------
+
+@_operator("matvec")
+def segment_matvec_op(v: Tensor, m: Tensor, idx: Tensor, transpose: bool, config: Optional[str]) -> Tensor:
+    return tk.segment_matvec_triton(v.contiguous(), m.contiguous(), idx, transpose, config=_config(config))
+
+
+@segment_matvec_op.register_fake
+def _(v, m, idx, transpose, config):
+    return v.new_empty((v.shape[0], m.shape[1] if transpose else m.shape[2]))
+
+
+@_operator("outer")
+def segment_outer_op(a: Tensor, b: Tensor, idx: Tensor, num_segments: int, config: Optional[str]) -> Tensor:
+    flat, _ = tk.segment_reduce_triton(a.contiguous(), b.contiguous(), idx, num_segments, tk.ROW_OUTER, tk.TOTAL,
+                                       False, K=b.shape[1], config=_config(config))
+    return flat.view(num_segments, a.shape[1], b.shape[1])
+
+
+@segment_outer_op.register_fake
+def _(a, b, idx, num_segments, config):
+    return a.new_empty((num_segments, a.shape[1], b.shape[1]))
+
+
+def _matvec_setup(ctx, inputs, output):
+    v, m, idx, transpose, config = inputs
+    ctx.transpose = transpose
+    ctx.save_for_backward(v, m, idx)
+    ctx.config = config
+
+
+def _matvec_backward(ctx, grad):
+    v, m, idx = ctx.saved_tensors
+    grad_v = None
+    if ctx.needs_input_grad[0]:
+        grad_v = segment_matvec_op.within(ctx)(grad, m, idx, not ctx.transpose, ctx.config)
+    grad_m = None
+    if ctx.needs_input_grad[1]:
+        # out = m^T v: dm = sum v g^T;  out = m v: dm = sum g v^T.
+        outer = segment_outer_op.within(ctx)
+        grad_m = (outer(grad, v, idx, m.shape[0], ctx.config) if ctx.transpose
+                  else outer(v, grad, idx, m.shape[0], ctx.config))
+    return grad_v, grad_m, None, None, None
+
+
+def _outer_backward(ctx, grad):
+    a, b, idx = ctx.saved_tensors
+    matvec = segment_matvec_op.within(ctx)
+    grad_a = matvec(b, grad, idx, True, ctx.config) if ctx.needs_input_grad[0] else None
+    grad_b = matvec(a, grad, idx, False, ctx.config) if ctx.needs_input_grad[1] else None
+    return grad_a, grad_b, None, None, None
+
+
+segment_matvec_op.register_autograd(_matvec_backward, setup_context=_matvec_setup)
+segment_outer_op.register_autograd(_outer_backward, setup_context=_save_two_and_idx)
+
+
+# --- the operations without the argument checks ---------------------------------------------
+# What runs inside torch.compile and CUDA graphs, where the host-reading checks are
+# skipped; the benchmark times these, and a test passes them a small ``config``.
+
+def _as_rows(x: Tensor) -> Tensor:
     return x.reshape(x.shape[0], 1) if x.dim() == 1 else x
 
 
-def _index(idx: torch.Tensor) -> torch.Tensor:
+def _index(idx: Tensor) -> Tensor:
     # the kernels read idx as a dense int32 array (a strided view is copied once)
     return idx.contiguous()
 
 
-# The operations without the argument checks: what runs inside torch.compile and CUDA
-# graphs, where the host-reading checks are skipped. The benchmark times these.
-
-def _sum(x, idx, num_segments):
-    out = ops.segment_sum_op(_as_rows(x), _index(idx), num_segments)
+def _sum(x, idx, num_segments, config=None):
+    out = segment_sum_op(_as_rows(x), _index(idx), num_segments, config_text(config))
     return out.reshape(num_segments) if x.dim() == 1 else out
 
 
-def _mean(x, idx, num_segments):
-    out, _ = ops.segment_mean_op(_as_rows(x), _index(idx), num_segments, ops.needs_counts(x))
+def _mean(x, idx, num_segments, config=None):
+    out, _ = segment_mean_op(_as_rows(x), _index(idx), num_segments, needs_counts(x), config_text(config))
     return out.reshape(num_segments) if x.dim() == 1 else out
 
 
-def _dot(x, y, idx, num_segments):
-    return ops.segment_dot_op(_as_rows(x), _as_rows(y), _index(idx), num_segments, True).reshape(num_segments)
+def _dot(x, y, idx, num_segments, config=None):
+    out = segment_dot_op(_as_rows(x), _as_rows(y), _index(idx), num_segments, True, config_text(config))
+    return out.reshape(num_segments)
 
 
-def _mul(x, y, idx, num_segments):
-    return ops.segment_scale_rows_op(_as_rows(x), _as_rows(y), _index(idx)).reshape(x.shape)
+def _mul(x, y, idx, num_segments, config=None):
+    return segment_scale_rows_op(_as_rows(x), _as_rows(y), _index(idx), config_text(config)).reshape(x.shape)
 
 
-def _rms_norm(x, idx, num_segments):
-    r, _ = ops.segment_rms_op(_as_rows(x), _index(idx), num_segments)
+def _rms_norm(x, idx, num_segments, config=None):
+    r, _ = segment_rms_op(_as_rows(x), _index(idx), num_segments, config_text(config))
     return r.reshape(num_segments)
 
 
-def _matvec(v, m, idx, num_segments):
-    return ops.segment_matvec_op(v, m, _index(idx), False)
+def _matvec(v, m, idx, num_segments, config=None):
+    return segment_matvec_op(v, m, _index(idx), False, config_text(config))
 
 
+#: The six operations without the argument checks, by name; each also takes ``config``
+#: (a :class:`~.triton_kernels.SegmentConfig`, ``None``: the default).
 UNCHECKED = {"sum": _sum, "mean": _mean, "dot": _dot, "mul": _mul, "rms_norm": _rms_norm, "matvec": _matvec}
 
+
+# --- the public functions ---------------------------------------------------------------------
 
 def segmented_sum(x: torch.Tensor, idx: torch.Tensor, num_segments: int) -> torch.Tensor:
     """Per-segment sum: ``out[s] = sum_{i: idx[i] = s} x[i]``.
@@ -69,11 +496,7 @@ def segmented_sum(x: torch.Tensor, idx: torch.Tensor, num_segments: int) -> torc
     Returns:
         ``(S,)`` for ``(N,)`` input, ``(S, D)`` for ``(N, D)``; ``x``'s dtype.
     """
-    num_segments = check_num_segments(num_segments)
-    check_tensor("x", x, (1, 2))
-    check_devices(x=x, idx=idx)
-    check_idx(idx, x.shape[0], num_segments, "x")
-    return _sum(x, idx, num_segments)
+    return _sum(x, idx, _check_one_input(x, idx, num_segments))
 
 
 def segmented_mean(x: torch.Tensor, idx: torch.Tensor, num_segments: int) -> torch.Tensor:
@@ -81,11 +504,7 @@ def segmented_mean(x: torch.Tensor, idx: torch.Tensor, num_segments: int) -> tor
 
     Shapes as :func:`segmented_sum`: ``(S,)`` or ``(S, D)``.
     """
-    num_segments = check_num_segments(num_segments)
-    check_tensor("x", x, (1, 2))
-    check_devices(x=x, idx=idx)
-    check_idx(idx, x.shape[0], num_segments, "x")
-    return _mean(x, idx, num_segments)
+    return _mean(x, idx, _check_one_input(x, idx, num_segments))
 
 
 def segmented_dot(x: torch.Tensor, y: torch.Tensor, idx: torch.Tensor, num_segments: int) -> torch.Tensor:
@@ -97,14 +516,12 @@ def segmented_dot(x: torch.Tensor, y: torch.Tensor, idx: torch.Tensor, num_segme
     Returns:
         ``(S,)``.
     """
-    num_segments = check_num_segments(num_segments)
-    check_tensor("x", x, (1, 2))
-    check_tensor("y", y, (1, 2))
+    num_segments = _check_num_segments(num_segments)
+    _check_rows("x", x, (1, 2))
+    _check_rows("y", y, (1, 2))
     if y.shape != x.shape:
         raise ValueError(f"y must have the shape of x {tuple(x.shape)}; got {tuple(y.shape)}")
-    check_same_dtype("y", y, "x", x)
-    check_devices(x=x, y=y, idx=idx)
-    check_idx(idx, x.shape[0], num_segments, "x")
+    _check_pair("x", x, "y", y, idx, num_segments)
     return _dot(x, y, idx, num_segments)
 
 
@@ -119,17 +536,15 @@ def segmented_mul(x: torch.Tensor, y: torch.Tensor, idx: torch.Tensor, num_segme
     Returns:
         ``x``'s shape and dtype.
     """
-    num_segments = check_num_segments(num_segments)
-    check_tensor("x", x, (1, 2))
-    check_tensor("y", y, (1, 2))
+    num_segments = _check_num_segments(num_segments)
+    _check_rows("x", x, (1, 2))
+    _check_rows("y", y, (1, 2))
     if y.shape[0] != num_segments:
         raise ValueError(f"y must have num_segments ({num_segments}) rows; got shape {tuple(y.shape)}")
     if y.shape[1:] != x.shape[1:] and y.dim() != 1:
         raise ValueError(f"y must have shape {(num_segments,) + tuple(x.shape[1:])} or ({num_segments},); "
                          f"got {tuple(y.shape)}")
-    check_same_dtype("y", y, "x", x)
-    check_devices(x=x, y=y, idx=idx)
-    check_idx(idx, x.shape[0], num_segments, "x")
+    _check_pair("x", x, "y", y, idx, num_segments)
     return _mul(x, y, idx, num_segments)
 
 
@@ -142,11 +557,7 @@ def segmented_rms_norm(x: torch.Tensor, idx: torch.Tensor, num_segments: int) ->
     Returns:
         ``(S,)``.
     """
-    num_segments = check_num_segments(num_segments)
-    check_tensor("x", x, (1, 2))
-    check_devices(x=x, idx=idx)
-    check_idx(idx, x.shape[0], num_segments, "x")
-    return _rms_norm(x, idx, num_segments)
+    return _rms_norm(x, idx, _check_one_input(x, idx, num_segments))
 
 
 def segmented_matvec(v: torch.Tensor, m: torch.Tensor, idx: torch.Tensor, num_segments: int) -> torch.Tensor:
@@ -159,15 +570,13 @@ def segmented_matvec(v: torch.Tensor, m: torch.Tensor, idx: torch.Tensor, num_se
     Returns:
         ``(N, K)``; ``out[i, k] = sum_j m[idx[i], j, k] v[i, j]``.
     """
-    num_segments = check_num_segments(num_segments)
-    check_tensor("v", v, (2,))
-    check_tensor("m", m, (3,))
+    num_segments = _check_num_segments(num_segments)
+    _check_rows("v", v, (2,))
+    _check_rows("m", m, (3,))
     if m.shape[0] != num_segments:
         raise ValueError(f"m must have num_segments ({num_segments}) matrices; got shape {tuple(m.shape)}")
     if m.shape[1] != v.shape[1]:
         raise ValueError(f"m must have shape ({num_segments}, {v.shape[1]}, K) to match v's {v.shape[1]} "
                          f"columns; got {tuple(m.shape)}")
-    check_same_dtype("m", m, "v", v)
-    check_devices(v=v, m=m, idx=idx)
-    check_idx(idx, v.shape[0], num_segments, "v")
+    _check_pair("v", v, "m", m, idx, num_segments)
     return _matvec(v, m, idx, num_segments)

@@ -3,10 +3,10 @@
 This is the reference the other stages are checked against. Every operation has
 three functions:
 
-* ``<op>(...)``: the forward;
-* ``<op>_backward(..., grad)``: the vector-Jacobian product, the gradient of
-  ``sum(grad * out)`` with respect to each input, derived by hand;
-* ``<op>_double_backward(..., grad, cotangents)``: the second derivative as autograd
+* ``segmented_<op>_numpy(...)``: the forward;
+* ``segmented_<op>_backward_numpy(..., grad)``: the vector-Jacobian product, the
+  gradient of ``sum(grad * out)`` with respect to each input, derived by hand;
+* ``segmented_<op>_double_backward_numpy(..., grad, cotangents)``: the second derivative as autograd
   needs it: the gradient of ``sum_k <cotangent_k, backward_k>`` with respect to every
   input of the backward (the forward's inputs and ``grad``).
 
@@ -27,7 +27,7 @@ def segment_rows(idx: np.ndarray, num_segments: int):
 
 # --- sum: out_s = sum_{i in s} x_i ----------------------------------------------------------
 
-def segmented_sum(x, idx, num_segments):
+def segmented_sum_numpy(x, idx, num_segments):
     out = np.zeros((num_segments,) + x.shape[1:])
     for s, rows in enumerate(segment_rows(idx, num_segments)):
         for i in rows:
@@ -35,7 +35,7 @@ def segmented_sum(x, idx, num_segments):
     return out
 
 
-def segmented_sum_backward(x, idx, num_segments, grad):
+def segmented_sum_backward_numpy(x, idx, num_segments, grad):
     """d out_s / d x_i = I for i in s, so dx_i = grad_{idx[i]}."""
     dx = np.zeros_like(x)
     for i, s in enumerate(idx):
@@ -43,14 +43,14 @@ def segmented_sum_backward(x, idx, num_segments, grad):
     return dx
 
 
-def segmented_sum_double_backward(x, idx, num_segments, grad, cotangent_dx):
+def segmented_sum_double_backward_numpy(x, idx, num_segments, grad, cotangent_dx):
     """The backward is linear in grad and free of x: d/dgrad_s = sum_{i in s} u_i; d/dx = 0."""
-    return np.zeros_like(x), segmented_sum(cotangent_dx, idx, num_segments)
+    return np.zeros_like(x), segmented_sum_numpy(cotangent_dx, idx, num_segments)
 
 
 # --- mean: out_s = sum_{i in s} x_i / n_s -----------------------------------------------
 
-def segmented_mean(x, idx, num_segments):
+def segmented_mean_numpy(x, idx, num_segments):
     out = np.zeros((num_segments,) + x.shape[1:])
     for s, rows in enumerate(segment_rows(idx, num_segments)):
         if len(rows):
@@ -58,7 +58,7 @@ def segmented_mean(x, idx, num_segments):
     return out
 
 
-def segmented_mean_backward(x, idx, num_segments, grad):
+def segmented_mean_backward_numpy(x, idx, num_segments, grad):
     """dx_i = grad_s / n_s."""
     counts = np.bincount(idx, minlength=num_segments)
     dx = np.zeros_like(x)
@@ -67,14 +67,14 @@ def segmented_mean_backward(x, idx, num_segments, grad):
     return dx
 
 
-def segmented_mean_double_backward(x, idx, num_segments, grad, cotangent_dx):
+def segmented_mean_double_backward_numpy(x, idx, num_segments, grad, cotangent_dx):
     """d/dgrad_s = sum_{i in s} u_i / n_s (a mean again); d/dx = 0."""
-    return np.zeros_like(x), segmented_mean(cotangent_dx, idx, num_segments)
+    return np.zeros_like(x), segmented_mean_numpy(cotangent_dx, idx, num_segments)
 
 
 # --- dot: out_s = sum_{i in s} <x_i, y_i> -------------------------------------------------
 
-def segmented_dot(x, y, idx, num_segments):
+def segmented_dot_numpy(x, y, idx, num_segments):
     out = np.zeros(num_segments)
     for s, rows in enumerate(segment_rows(idx, num_segments)):
         for i in rows:
@@ -82,7 +82,7 @@ def segmented_dot(x, y, idx, num_segments):
     return out
 
 
-def segmented_dot_backward(x, y, idx, num_segments, grad):
+def segmented_dot_backward_numpy(x, y, idx, num_segments, grad):
     """dx_i = grad_s y_i, dy_i = grad_s x_i."""
     dx, dy = np.zeros_like(x), np.zeros_like(y)
     for i, s in enumerate(idx):
@@ -91,7 +91,7 @@ def segmented_dot_backward(x, y, idx, num_segments, grad):
     return dx, dy
 
 
-def segmented_dot_double_backward(x, y, idx, num_segments, grad, cotangent_dx, cotangent_dy):
+def segmented_dot_double_backward_numpy(x, y, idx, num_segments, grad, cotangent_dx, cotangent_dy):
     """With cotangents u (of dx) and w (of dy) of L = sum_i g_s (<u_i, y_i> + <w_i, x_i>):
     dL/dx_i = g_s w_i, dL/dy_i = g_s u_i, dL/dg_s = sum_{i in s} <u_i, y_i> + <w_i, x_i>."""
     dx, dy = np.zeros_like(x), np.zeros_like(y)
@@ -105,7 +105,7 @@ def segmented_dot_double_backward(x, y, idx, num_segments, grad, cotangent_dx, c
 
 # --- mul: out_i = x_i * y_s (y_s a row like x_i, or one factor) -----------------------------
 
-def segmented_mul(x, y, idx, num_segments):
+def segmented_mul_numpy(x, y, idx, num_segments):
     out = np.zeros_like(x)
     for i, s in enumerate(idx):
         out[i] = x[i] * y[s]
@@ -117,7 +117,7 @@ def _sum_to(value, shape):
     return value if value.shape == shape else np.sum(value).reshape(shape)
 
 
-def segmented_mul_backward(x, y, idx, num_segments, grad):
+def segmented_mul_backward_numpy(x, y, idx, num_segments, grad):
     """dx_i = grad_i * y_s; dy_s = sum_{i in s} grad_i * x_i (summed over the row for one factor)."""
     dx, dy = np.zeros_like(x), np.zeros_like(y)
     for i, s in enumerate(idx):
@@ -126,7 +126,7 @@ def segmented_mul_backward(x, y, idx, num_segments, grad):
     return dx, dy
 
 
-def segmented_mul_double_backward(x, y, idx, num_segments, grad, cotangent_dx, cotangent_dy):
+def segmented_mul_double_backward_numpy(x, y, idx, num_segments, grad, cotangent_dx, cotangent_dy):
     """L = sum_i <u_i, g_i * y_s> + <w_s, sum_{i in s} g_i * x_i>:
     dL/dx_i = w_s * g_i, dL/dy_s = sum_{i in s} u_i * g_i, dL/dg_i = u_i * y_s + w_s * x_i."""
     dx, dy, dgrad = np.zeros_like(x), np.zeros_like(y), np.zeros_like(grad)
@@ -139,7 +139,7 @@ def segmented_mul_double_backward(x, y, idx, num_segments, grad, cotangent_dx, c
 
 # --- rms_norm: r_s = sqrt(sum_{i in s} |x_i|^2 / n_s) ----------------------------------------
 
-def segmented_rms_norm(x, idx, num_segments):
+def segmented_rms_norm_numpy(x, idx, num_segments):
     out = np.zeros(num_segments)
     for s, rows in enumerate(segment_rows(idx, num_segments)):
         if len(rows):
@@ -147,9 +147,9 @@ def segmented_rms_norm(x, idx, num_segments):
     return out
 
 
-def segmented_rms_norm_backward(x, idx, num_segments, grad):
+def segmented_rms_norm_backward_numpy(x, idx, num_segments, grad):
     """dr_s/dx_i = x_i / (n_s r_s), so dx_i = grad_s x_i / (n_s r_s); 0 where r_s = 0."""
-    r = segmented_rms_norm(x, idx, num_segments)
+    r = segmented_rms_norm_numpy(x, idx, num_segments)
     counts = np.bincount(idx, minlength=num_segments)
     dx = np.zeros_like(x)
     for i, s in enumerate(idx):
@@ -158,11 +158,11 @@ def segmented_rms_norm_backward(x, idx, num_segments, grad):
     return dx
 
 
-def segmented_rms_norm_double_backward(x, idx, num_segments, grad, cotangent_dx):
+def segmented_rms_norm_double_backward_numpy(x, idx, num_segments, grad, cotangent_dx):
     """L = sum_i g_s <u_i, x_i> / (n_s r_s), with p_s = sum_{i in s} <u_i, x_i>:
     dL/dg_s = p_s / (n_s r_s);
     dL/dx_i = g_s u_i / (n_s r_s) - g_s p_s x_i / (n_s^2 r_s^3)   (since dr_s/dx_i = x_i / (n_s r_s))."""
-    r = segmented_rms_norm(x, idx, num_segments)
+    r = segmented_rms_norm_numpy(x, idx, num_segments)
     counts = np.bincount(idx, minlength=num_segments)
     p = np.zeros(num_segments)
     for i, s in enumerate(idx):
@@ -180,14 +180,14 @@ def segmented_rms_norm_double_backward(x, idx, num_segments, grad, cotangent_dx)
 
 # --- matvec: out_i = m_s^T v_i ---------------------------------------------------------------
 
-def segmented_matvec(v, m, idx, num_segments):
+def segmented_matvec_numpy(v, m, idx, num_segments):
     out = np.zeros((v.shape[0], m.shape[2]))
     for i, s in enumerate(idx):
         out[i] = m[s].T @ v[i]
     return out
 
 
-def segmented_matvec_backward(v, m, idx, num_segments, grad):
+def segmented_matvec_backward_numpy(v, m, idx, num_segments, grad):
     """dv_i = m_s g_i; dm_s = sum_{i in s} v_i g_i^T."""
     dv, dm = np.zeros_like(v), np.zeros_like(m)
     for i, s in enumerate(idx):
@@ -196,7 +196,7 @@ def segmented_matvec_backward(v, m, idx, num_segments, grad):
     return dv, dm
 
 
-def segmented_matvec_double_backward(v, m, idx, num_segments, grad, cotangent_dv, cotangent_dm):
+def segmented_matvec_double_backward_numpy(v, m, idx, num_segments, grad, cotangent_dv, cotangent_dm):
     """L = sum_i <a_i, m_s g_i> + sum_s <B_s, sum_{i in s} v_i g_i^T> (a, B the cotangents):
     dL/dv_i = B_s g_i; dL/dm_s = sum_{i in s} a_i g_i^T; dL/dg_i = m_s^T a_i + B_s^T v_i."""
     dv, dm, dgrad = np.zeros_like(v), np.zeros_like(m), np.zeros_like(grad)

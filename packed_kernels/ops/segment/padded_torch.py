@@ -32,24 +32,24 @@ def pad(x: torch.Tensor, idx: torch.Tensor, num_segments: int):
     return padded, mask, counts
 
 
-def segmented_sum(x, idx, num_segments):
+def segmented_sum_padded(x, idx, num_segments):
     padded, _, _ = pad(x, idx, num_segments)
     return padded.sum(dim=1)
 
 
-def segmented_mean(x, idx, num_segments):
+def segmented_mean_padded(x, idx, num_segments):
     padded, _, counts = pad(x, idx, num_segments)
     counts = counts.clamp(min=1).to(x.dtype)
     return padded.sum(dim=1) / (counts if x.dim() == 1 else counts[:, None])
 
 
-def segmented_dot(x, y, idx, num_segments):
+def segmented_dot_padded(x, y, idx, num_segments):
     products = x * y if x.dim() == 1 else (x * y).sum(dim=1)
     padded, _, _ = pad(products, idx, num_segments)
     return padded.sum(dim=1)
 
 
-def segmented_mul(x, y, idx, num_segments):
+def segmented_mul_padded(x, y, idx, num_segments):
     # The padded way: broadcast y over each segment's slots, multiply, read the rows back.
     padded, _, _ = pad(x, idx, num_segments)
     slot, _, _ = padded_layout(idx, num_segments)
@@ -57,7 +57,7 @@ def segmented_mul(x, y, idx, num_segments):
     return (padded * factor)[idx.long(), slot]
 
 
-def segmented_rms_norm(x, idx, num_segments):
+def segmented_rms_norm_padded(x, idx, num_segments):
     squared = x * x if x.dim() == 1 else (x * x).sum(dim=1)
     padded, _, counts = pad(squared, idx, num_segments)
     mean = padded.sum(dim=1) / counts.clamp(min=1).to(x.dtype)
@@ -67,7 +67,7 @@ def segmented_rms_norm(x, idx, num_segments):
     return torch.where(positive, safe.sqrt(), torch.zeros_like(mean))
 
 
-def segmented_matvec(v, m, idx, num_segments):
+def segmented_matvec_padded(v, m, idx, num_segments):
     padded, _, _ = pad(v, idx, num_segments)  # (S, L, D)
     slot, _, _ = padded_layout(idx, num_segments)
     products = torch.einsum("sld,sdk->slk", padded, m)

@@ -18,9 +18,9 @@ Two kinds of kernel cover the six operations and all of their derivatives:
   written as two partial rows to a small buffer, and a second pass adds up the
   partials of each segment in a fixed order. No atomics: the result is bitwise
   reproducible. ``sum`` and ``mean`` of narrow rows (up to
-  :data:`ROWS_IN_ORDER_MAX_COLS` columns) use a cheaper first pass with the same
-  partials: each lane walks its own consecutive rows in order, and the scan runs
-  over lanes instead of rows (:func:`segment_sum_rows_kernel`).
+  :attr:`SegmentConfig.rows_in_order_max_cols` columns) use a cheaper first pass
+  with the same partials: each lane walks its own consecutive rows in order, and the
+  scan runs over lanes instead of rows (:func:`segment_sum_rows_kernel`).
 * **Row-wise maps** (the gradients of the reductions, ``mul`` and ``matvec``):
   ``out[i] = g(row i, segment row idx[i])``; one program per block of rows, no
   reduction at all.
@@ -30,6 +30,10 @@ bfloat16 inputs are read, computed in float32 and written back in their own dtyp
 """
 from __future__ import annotations
 
+import dataclasses
+import functools
+from typing import Optional
+
 import torch
 import triton
 import triton.language as tl
@@ -38,23 +42,27 @@ from ... import runtime
 from ...device_functions.fast_math import reciprocal as _reciprocal
 from ...device_functions.register_columns import load_lane_rows
 
-# Prologues of the segmented reduction: what each row contributes.
-ROW_VALUE = 0  # x[i, c]
-ROW_PRODUCT = 1  # x[i, c] * y[i, c]
-ROW_DOT = 2  # sum_c x[i, c] * y[i, c]           (one output column)
-ROW_SQUARED_NORM = 3  # sum_c x[i, c]^2          (one output column)
-ROW_OUTER = 4  # x[i, j] * y[i, k] at column j * K + k
+# The modes of the kernels, compared by name inside them; the launchers take these
+# objects and pass their ``.value``.
 
-# Epilogues: what is done to a segment's total before it is stored.
-TOTAL = 0
-DIVIDE_BY_COUNT = 1  # mean; an empty segment stays 0
-SQRT_OF_MEAN = 2  # rms; an empty segment stays 0
+# Prologues of the segmented reduction (``PROLOGUE``): what each row contributes.
+ROW_VALUE = tl.constexpr(0)  # x[i, c]
+ROW_PRODUCT = tl.constexpr(1)  # x[i, c] * y[i, c]
+ROW_DOT = tl.constexpr(2)  # sum_c x[i, c] * y[i, c] (one output column)
+ROW_SQUARED_NORM = tl.constexpr(3)  # sum_c x[i, c]^2 (one output column)
+ROW_OUTER = tl.constexpr(4)  # x[i, j] * y[i, k] at column j * K + k
 
-# Row-wise maps.
-GATHER = 0  # out[i, c] = b[s, c]
-GATHER_OVER_COUNT = 1  # out[i, c] = b[s, c] / count[s]
-SCALE_ROWS = 2  # out[i, c] = a[i, c] * b[s, c or 0]
-RMS_BACKWARD = 3  # out[i, c] = a[i, c] * b[s] / (count[s] * r[s]), 0 where r[s] = 0
+# Epilogues (``EPILOGUE``): what is done to a segment's total before it is stored. An
+# empty segment stays 0 in each.
+TOTAL = tl.constexpr(0)  # the total
+DIVIDE_BY_COUNT = tl.constexpr(1)  # the total over the row count (mean)
+SQRT_OF_MEAN = tl.constexpr(2)  # the square root of that (rms)
+
+# Row-wise maps (``MODE``), with s = idx[i].
+GATHER = tl.constexpr(0)  # out[i, c] = b[s, c]
+GATHER_OVER_COUNT = tl.constexpr(1)  # out[i, c] = b[s, c] / count[s]
+SCALE_ROWS = tl.constexpr(2)  # out[i, c] = a[i, c] * b[s, c or 0]
+RMS_BACKWARD = tl.constexpr(3)  # out[i, c] = a[i, c] * b[s] / (count[s] * r[s]), 0 where r[s] = 0
 
 
 @triton.jit
@@ -102,8 +110,7 @@ def segment_reduce_chunks_kernel(
     part_value_ptr, part_segment_ptr, part_count_ptr,
     N, D, K, n_cols, num_segments,
     PROLOGUE: tl.constexpr, EPILOGUE: tl.constexpr, WRITE_COUNTS: tl.constexpr, NEED_COUNTS: tl.constexpr,
-    ZERO_FILL: tl.constexpr, ONE_SCAN: tl.constexpr, BLOCK_ROWS: tl.constexpr, BLOCK_COLS: tl.constexpr,
-    ACC_DTYPE: tl.constexpr,
+    BLOCK_ROWS: tl.constexpr, BLOCK_COLS: tl.constexpr, ACC_DTYPE: tl.constexpr,
 ):
     """First pass of the segmented reduction: one chunk of ``BLOCK_ROWS`` rows per program.
 
@@ -117,7 +124,7 @@ def segment_reduce_chunks_kernel(
     with ``f`` the prologue: ``x[i, c]``, ``x[i, c] y[i, c]``, ``sum_d x[i, d] y[i, d]``,
     ``sum_d x[i, d]^2`` or ``x[i, j] y[i, k]`` (``c = j K + k``). Gradients are not
     computed here: the adjoint of a segmented sum is a gather (a row-wise map) and
-    the adjoint of a gather is again a segmented sum (see ``custom_ops``).
+    the adjoint of a gather is again a segmented sum (see the operators in ``api``).
 
     Runs of equal ``idx`` inside the chunk are summed by one segmented inclusive scan
     over ``(is_run_start, value)``. A run that is neither the chunk's first nor its
@@ -125,6 +132,7 @@ def segment_reduce_chunks_kernel(
     and the last run go to the partial buffer, rows ``2 * pid`` and ``2 * pid + 1``
     (the last one is an empty 0 when the chunk holds a single run), with their
     segment ids and row counts; ``segment_reduce_combine_kernel`` finishes them.
+    The program also zeroes its share of the empty segments (``_zero_empty_segments``).
     Program axis 1 walks blocks of output columns.
     """
     pid = tl.program_id(0)
@@ -142,15 +150,15 @@ def segment_reduce_chunks_kernel(
 
     cols = col_block * BLOCK_COLS + tl.arange(0, BLOCK_COLS)
     col_ok = cols < n_cols
-    if PROLOGUE == 0:  # ROW_VALUE
+    if PROLOGUE == ROW_VALUE:
         value = tl.load(x_ptr + rows64[:, None] * D + cols[None, :],
                         mask=in_range[:, None] & col_ok[None, :], other=0.0).to(ACC_DTYPE)
-    elif PROLOGUE == 1:  # ROW_PRODUCT
+    elif PROLOGUE == ROW_PRODUCT:
         offsets = rows64[:, None] * D + cols[None, :]
         both = in_range[:, None] & col_ok[None, :]
         value = (tl.load(x_ptr + offsets, mask=both, other=0.0).to(ACC_DTYPE)
                  * tl.load(y_ptr + offsets, mask=both, other=0.0).to(ACC_DTYPE))
-    elif PROLOGUE == 4:  # ROW_OUTER
+    elif PROLOGUE == ROW_OUTER:
         j = cols // K
         k = cols % K
         both = in_range[:, None] & col_ok[None, :]
@@ -163,7 +171,7 @@ def segment_reduce_chunks_kernel(
         row_total = tl.zeros((BLOCK_ROWS,), dtype=ACC_DTYPE)
         for d in range(0, D):
             a = tl.load(x_ptr + rows64 * D + d, mask=in_range, other=0.0).to(ACC_DTYPE)
-            if PROLOGUE == 2:
+            if PROLOGUE == ROW_DOT:
                 b = tl.load(y_ptr + rows64 * D + d, mask=in_range, other=0.0).to(ACC_DTYPE)
             else:
                 b = a
@@ -171,13 +179,10 @@ def segment_reduce_chunks_kernel(
         value = row_total[:, None] + tl.zeros((BLOCK_ROWS, BLOCK_COLS), dtype=ACC_DTYPE)
 
     flags = starts[:, None] + tl.zeros((BLOCK_ROWS, BLOCK_COLS), dtype=tl.int32)
-    if NEED_COUNTS and ONE_SCAN:
+    if NEED_COUNTS:
         # Rows per run counted in the same scan, in the values' layout (no conversion).
         _, total, count_2d = tl.associative_scan((flags, value, flags * 0 + 1), 0, _segmented_add_counted)
         count = tl.max(count_2d, axis=1)
-    elif NEED_COUNTS:
-        _, total = tl.associative_scan((flags, value), 0, _segmented_add)
-        _, count = tl.associative_scan((starts, tl.full((BLOCK_ROWS,), 1, tl.int32)), 0, _segmented_add)
     else:
         _, total = tl.associative_scan((flags, value), 0, _segmented_add)
         count = tl.full((BLOCK_ROWS,), 1, tl.int32)
@@ -186,18 +191,17 @@ def segment_reduce_chunks_kernel(
     tail_segment = tl.load(idx_ptr + tl.minimum(row0 + BLOCK_ROWS, N) - 1)
     inside = ends & (segment != head_segment) & (segment != tail_segment)
 
-    if ZERO_FILL:
-        # This chunk's share of the empty segments; the barrier orders the zeros before
-        # the totals stored below (some land on the same rows).
-        next_row = row0 + BLOCK_ROWS
-        next_head = tl.load(idx_ptr + next_row, mask=next_row < N, other=num_segments)
-        _zero_empty_segments(out_ptr, counts_ptr, tl.where(pid == 0, 0, head_segment + 1), next_head,
-                             cols, col_ok, n_cols, col_block, BLOCK_ROWS, WRITE_COUNTS)
-        tl.debug_barrier()
+    # This chunk's share of the empty segments; the barrier orders the zeros before
+    # the totals stored below (some land on the same rows).
+    next_row = row0 + BLOCK_ROWS
+    next_head = tl.load(idx_ptr + next_row, mask=next_row < N, other=num_segments)
+    _zero_empty_segments(out_ptr, counts_ptr, tl.where(pid == 0, 0, head_segment + 1), next_head,
+                         cols, col_ok, n_cols, col_block, BLOCK_ROWS, WRITE_COUNTS)
+    tl.debug_barrier()
 
-    if EPILOGUE == 0:  # TOTAL
+    if EPILOGUE == TOTAL:
         finished = total
-    elif EPILOGUE == 1:  # DIVIDE_BY_COUNT
+    elif EPILOGUE == DIVIDE_BY_COUNT:
         finished = total / tl.maximum(count, 1).to(ACC_DTYPE)[:, None]
     else:  # SQRT_OF_MEAN
         finished = tl.sqrt(total / tl.maximum(count, 1).to(ACC_DTYPE)[:, None])
@@ -243,7 +247,7 @@ def segment_sum_rows_kernel(
     x_ptr, idx_ptr, out_ptr, counts_ptr,
     part_value_ptr, part_segment_ptr, part_count_ptr,
     N, num_segments,
-    EPILOGUE: tl.constexpr, WRITE_COUNTS: tl.constexpr, NEED_COUNTS: tl.constexpr, ZERO_FILL: tl.constexpr,
+    EPILOGUE: tl.constexpr, WRITE_COUNTS: tl.constexpr, NEED_COUNTS: tl.constexpr,
     COLS: tl.constexpr, COLS_POW2: tl.constexpr, ROWS_PER_THREAD: tl.constexpr, BITS: tl.constexpr,
     THREADS: tl.constexpr, VECTOR_IDX: tl.constexpr, VECTOR_X: tl.constexpr, ACC_DTYPE: tl.constexpr,
     FAST_DIVIDE: tl.constexpr,
@@ -279,13 +283,12 @@ def segment_sum_rows_kernel(
     chunk_end = tl.minimum(row0 + CHUNK, N)
     head_segment = tl.load(idx_ptr + row0)
     tail_segment = tl.load(idx_ptr + chunk_end - 1)
-    if ZERO_FILL:
-        # This chunk's share of the empty segments, before the totals stored below.
-        next_head = tl.load(idx_ptr + row0 + CHUNK, mask=row0 + CHUNK < N, other=num_segments)
-        columns = tl.arange(0, COLS_POW2)
-        _zero_empty_segments(out_ptr, counts_ptr, tl.where(chunk == 0, 0, head_segment + 1), next_head,
-                             columns, columns < COLS, COLS, 0, THREADS, WRITE_COUNTS)
-        tl.debug_barrier()
+    # This chunk's share of the empty segments, before the totals stored below.
+    next_head = tl.load(idx_ptr + row0 + CHUNK, mask=row0 + CHUNK < N, other=num_segments)
+    columns = tl.arange(0, COLS_POW2)
+    _zero_empty_segments(out_ptr, counts_ptr, tl.where(chunk == 0, 0, head_segment + 1), next_head,
+                         columns, columns < COLS, COLS, 0, THREADS, WRITE_COUNTS)
+    tl.debug_barrier()
     # Rows past N take the chunk's last segment: they join its last run (with zeros).
     segments = load_lane_rows(idx_ptr, base, N, tail_segment, ROWS_PER_THREAD, THREADS, BITS, VECTOR_IDX)
     values = _lane_rows(x_ptr, base, N, COLS, ROWS_PER_THREAD, THREADS, BITS, VECTOR_X)
@@ -314,14 +317,14 @@ def segment_sum_rows_kernel(
         store = new_run & ended & (previous != head_segment) & (previous != tail_segment)
         keep = new_run & ~ended
         count = base + r - run_start
-        if EPILOGUE != 0:
+        if EPILOGUE != TOTAL:
             # One reciprocal per row, shared by its columns.
             inverse = _reciprocal(count.to(ACC_DTYPE), FAST_DIVIDE)
         row_out = previous.to(tl.int64) * COLS
         next_running = ()
         next_first_run = ()
         for c in tl.static_range(COLS):
-            if EPILOGUE == 0:
+            if EPILOGUE == TOTAL:
                 finished = running[c]
             else:
                 finished = running[c] * inverse
@@ -362,7 +365,7 @@ def segment_sum_rows_kernel(
     for c in tl.static_range(COLS):
         _, carried = tl.associative_scan((fresh, running[c]), 0, _segmented_add)
         first_total = tl.where(starts_at_lane, 0.0, tl.gather(carried, shift, 0)) + first_run[c]
-        if EPILOGUE == 0:
+        if EPILOGUE == TOTAL:
             first_finished = first_total
             last_finished = carried
         else:
@@ -442,9 +445,9 @@ def segment_reduce_combine_kernel(
     total = total + tl.where(in_head[:, None], earlier[None, :], 0.0)
     count = count + tl.where(in_head, earlier_count, 0)
 
-    if EPILOGUE == 1:
+    if EPILOGUE == DIVIDE_BY_COUNT:
         total = total / tl.maximum(count, 1).to(ACC_DTYPE)[:, None]
-    elif EPILOGUE == 2:
+    elif EPILOGUE == SQRT_OF_MEAN:
         total = tl.sqrt(total / tl.maximum(count, 1).to(ACC_DTYPE)[:, None])
     last = parts_ok & (segment != following)
     segment64 = segment.to(tl.int64)
@@ -478,13 +481,13 @@ def segment_rowwise_kernel(
     segment = tl.load(idx_ptr + rows, mask=in_range, other=0).to(tl.int64)
     cols = col_block * BLOCK_COLS + tl.arange(0, BLOCK_COLS)
     both = in_range[:, None] & (cols < n_cols)[None, :]
-    if MODE == 0:  # GATHER
+    if MODE == GATHER:
         result = tl.load(b_ptr + segment[:, None] * n_cols + cols[None, :], mask=both, other=0.0).to(ACC_DTYPE)
-    elif MODE == 1:  # GATHER_OVER_COUNT
+    elif MODE == GATHER_OVER_COUNT:
         n = tl.load(counts_ptr + segment, mask=in_range, other=1).to(ACC_DTYPE)
         result = tl.load(b_ptr + segment[:, None] * n_cols + cols[None, :], mask=both, other=0.0).to(ACC_DTYPE)
         result = result / n[:, None]
-    elif MODE == 2:  # SCALE_ROWS
+    elif MODE == SCALE_ROWS:
         a = tl.load(a_ptr + rows64[:, None] * n_cols + cols[None, :], mask=both, other=0.0).to(ACC_DTYPE)
         if BROADCAST_B:
             b = tl.load(b_ptr + segment, mask=in_range, other=0.0).to(ACC_DTYPE)[:, None]
@@ -573,68 +576,87 @@ def rms_norm_double_backward_kernel(
 # have validated everything already.
 # ---------------------------------------------------------------------------------------
 
-#: Rows per chunk of the segmented reduction, per output-column block width; a test
-#: may lower it to drive many chunks (and the combine pass) through a small input.
-CHUNK_ELEMENTS = 4096
-#: Smallest chunk of rows (wide rows still get enough rows to amortise the scan).
-MIN_CHUNK_ROWS = 64
-ROWWISE_ELEMENTS = 4096
-#: Warps per program of the first reduction pass (None: by the chunk's size).
-CHUNK_WARPS = None
-#: Partial rows per program of the combine pass (and per step of its walk back to a
-#: long segment's first partial), and its warps.
-COMBINE_PARTS = 256
-COMBINE_BACK_PARTS = 1024
-COMBINE_WARPS = 4
-#: Zero the empty segments inside the first pass (True) or with ``torch.zeros`` first.
-ZERO_FILL_IN_KERNEL = True
-#: Count the rows of each run (mean, rms) in the values' scan (True) or in a second scan.
-COUNTS_IN_VALUE_SCAN = True
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class SegmentConfig:
+    """Launch choices of the segment kernels. The launchers take one (``None``: the
+    default of :func:`segment_config`); a test passes a smaller one to drive many chunks,
+    lanes and combine blocks through a small input."""
+
+    #: Elements (rows times the columns of a column block) per chunk of the scan pass.
+    chunk_elements: int
+    #: Fewest rows per chunk of the scan pass (wide rows still get enough rows to
+    #: amortise the scan).
+    min_chunk_rows: int
+    #: ``sum`` and ``mean`` of rows with at most this many columns take the in-order
+    #: pass (:func:`segment_sum_rows_kernel`, all columns in one program); wider rows,
+    #: and every row at 0, the scan pass.
+    rows_in_order_max_cols: int
+    #: Rows each lane of the in-order pass walks (a power of two), for scalar rows ...
+    rows_per_thread: int
+    #: ... and for rows of 2 to 4 columns.
+    vector_rows_per_thread: int
+    #: Most lanes (one per thread) per chunk of the in-order pass.
+    rows_in_order_threads: int
+    #: Register cap of the compiled in-order float32 ``mean`` of rows of 2 to 4 columns
+    #: (None: the compiler's choice): ptxas schedules that pass better under the cap.
+    mean_rows_maxnreg: Optional[int]
+    #: Partials per program of the combine pass ...
+    combine_parts: int
+    #: ... per step of its walk back to a long segment's first partial ...
+    combine_back_parts: int
+    #: ... and its warps.
+    combine_warps: int
+    #: Elements per program of the row-wise maps and of ``matvec``.
+    rowwise_elements: int
+    #: A test aid: start the outputs that the first pass fills completely (the empty
+    #: segments included) at NaN, and the counts at -7, instead of uninitialised memory,
+    #: so that a row no program writes shows up.
+    poison_outputs: bool
 
 
-#: ``sum`` and ``mean`` of rows with at most this many columns walk each lane's rows in
-#: order (:func:`segment_sum_rows_kernel`, all columns in one program) instead of
-#: scanning the chunk; wider rows (and 0: all rows) use the scan kernel.
-ROWS_IN_ORDER_MAX_COLS = 4
-#: Rows each lane of that kernel walks (a power of two) for scalar rows and for rows
-#: of 2 to 4 columns, and lanes per chunk.
-ROWS_PER_THREAD = 16
-VECTOR_ROWS_PER_THREAD = 8
-ROWS_IN_ORDER_THREADS = 128
-#: Let the compiled in-order pass read each lane's rows with 16-byte loads
-#: (:func:`packed_kernels.device_functions.register_columns.load_lane_rows`) where the data allow it.
-LANE_VECTOR_LOADS = True
-#: ``mean`` in the in-order pass multiplies each row by the reciprocal of its count; for
-#: compiled float32 that reciprocal is the approximate ``rcp.approx`` (1 ulp,
-#: :func:`packed_kernels.device_functions.fast_math.reciprocal`) instead of ``1.0 / count``.
-FAST_DIVIDE = True
-#: Register cap of the compiled in-order float32 ``mean`` of rows of 2 to 4 columns (None: the
-#: compiler's choice). Measured on an H200: the cap of 64 makes ptxas schedule the pass
-#: about 10% faster than its own choice of 48 to 56 registers; other cases gain nothing.
-MEAN_ROWS_MAXNREG = 64
+@functools.lru_cache(maxsize=None)
+def segment_config() -> SegmentConfig:
+    """The launch choices of every segment kernel, compiled and interpreted alike."""
+    return SegmentConfig(
+        chunk_elements=4096,
+        min_chunk_rows=64,
+        rows_in_order_max_cols=4,
+        rows_per_thread=16,
+        vector_rows_per_thread=8,
+        rows_in_order_threads=128,
+        mean_rows_maxnreg=64,
+        combine_parts=256,
+        combine_back_parts=1024,
+        combine_warps=4,
+        rowwise_elements=4096,
+        poison_outputs=False,
+    )
 
 
-def _register_cap(epilogue: int, n_cols: int, dtype: torch.dtype) -> dict:
+def _register_cap(epilogue: int, n_cols: int, dtype: torch.dtype, config: SegmentConfig) -> dict:
     """Launch option capping the in-order pass's registers (compiled code only)."""
-    cap = MEAN_ROWS_MAXNREG if epilogue == DIVIDE_BY_COUNT and n_cols > 1 and dtype == torch.float32 else None
+    cap = (config.mean_rows_maxnreg if epilogue == DIVIDE_BY_COUNT.value and n_cols > 1 and dtype == torch.float32
+           else None)
     return runtime.register_cap(cap)
 
 
 def _vector_loads(t: torch.Tensor, rows_per_thread: int) -> bool:
     """Whether a lane's rows of ``t`` can come as 16-byte loads: compiled code, 32-bit
     elements, a 16-byte aligned start and whole groups of 4 rows per lane."""
-    return (LANE_VECTOR_LOADS and not runtime.INTERPRETED and t.element_size() == 4
+    return (not runtime.INTERPRETED and t.element_size() == 4
             and t.data_ptr() % 16 == 0 and rows_per_thread % 4 == 0)
 
 
-def _rows_in_order_lanes(N: int, rows_per_thread: int) -> int:
+def _rows_in_order_lanes(N: int, rows_per_thread: int, config: SegmentConfig) -> int:
     """Lanes per chunk of :func:`segment_sum_rows_kernel` (one lane per thread)."""
     # no more lanes than the input needs (padding lanes still take the scan's steps)
-    return min(ROWS_IN_ORDER_THREADS, max(2, runtime.next_power_of_2(runtime.cdiv(N, rows_per_thread))))
+    return min(config.rows_in_order_threads, max(2, runtime.next_power_of_2(runtime.cdiv(N, rows_per_thread))))
 
 
-def uninitialised(shape, dtype, device) -> torch.Tensor:
-    """Allocate an output that the kernels fill completely (a test may poison it)."""
+def _uninitialised(shape, dtype, device, config: SegmentConfig) -> torch.Tensor:
+    """An output that the kernels fill completely (poisoned when ``config`` asks)."""
+    if config.poison_outputs:
+        return torch.full(shape, -7 if dtype == torch.int32 else float("nan"), dtype=dtype, device=device)
     return torch.empty(shape, dtype=dtype, device=device)
 
 
@@ -651,37 +673,40 @@ def _column_block(n_cols: int) -> int:
     return min(runtime.next_power_of_2(max(n_cols, 1)), 64)
 
 
-def chunk_rows(block_cols: int) -> int:
-    return max(MIN_CHUNK_ROWS, CHUNK_ELEMENTS // block_cols)
+def _chunk_rows(block_cols: int, config: SegmentConfig) -> int:
+    return max(config.min_chunk_rows, config.chunk_elements // block_cols)
 
 
 @runtime.on_inputs_device
-def segment_reduce(x: torch.Tensor, y, idx: torch.Tensor, num_segments: int, prologue: int,
-                   epilogue: int, write_counts: bool, K: int = 1):
+def segment_reduce_triton(x: torch.Tensor, y, idx: torch.Tensor, num_segments: int, prologue: tl.constexpr,
+                          epilogue: tl.constexpr, write_counts: bool, K: int = 1,
+                          config: Optional[SegmentConfig] = None):
     """Launch the two-pass segmented reduction; returns ``(out (S, C), counts (S,) int32)``.
 
-    ``x``: ``(N, D)``; ``y``: ``(N, D)`` (product, dot), ``(N, K)`` (outer) or ``None``.
-    ``C`` is ``D`` (value, product), 1 (dot, squared norm) or ``D * K`` (outer). ``out``
-    has ``x``'s dtype; ``counts`` is filled only when ``write_counts``.
+    ``prologue`` is one of the ``ROW_*`` modes and ``epilogue`` one of ``TOTAL``,
+    ``DIVIDE_BY_COUNT``, ``SQRT_OF_MEAN``. ``x``: ``(N, D)``; ``y``: ``(N, D)`` (product,
+    dot), ``(N, K)`` (outer) or ``None``. ``C`` is ``D`` (value, product), 1 (dot, squared
+    norm) or ``D * K`` (outer). ``out`` has ``x``'s dtype; ``counts`` is filled only when
+    ``write_counts``.
     """
+    config = segment_config() if config is None else config
+    prologue, epilogue = prologue.value, epilogue.value
     N, D = x.shape
-    if prologue in (ROW_DOT, ROW_SQUARED_NORM):
+    if prologue in (ROW_DOT.value, ROW_SQUARED_NORM.value):
         n_cols = 1
-    elif prologue == ROW_OUTER:
+    elif prologue == ROW_OUTER.value:
         n_cols = D * K
     else:
         n_cols = D
     if N == 0 or num_segments == 0 or n_cols == 0:
         out = torch.zeros((num_segments, n_cols), dtype=x.dtype, device=x.device)
         return out, torch.zeros((num_segments if write_counts else 0,), dtype=torch.int32, device=x.device)
-    # With ZERO_FILL_IN_KERNEL the first pass zeroes the empty segments itself: one
-    # launch and one pass over the output fewer.
-    allocate = uninitialised if ZERO_FILL_IN_KERNEL else torch.zeros
-    out = allocate((num_segments, n_cols), dtype=x.dtype, device=x.device)
-    counts = allocate((num_segments if write_counts else 0,), dtype=torch.int32, device=x.device)
+    # The first pass zeroes the empty segments itself.
+    out = _uninitialised((num_segments, n_cols), x.dtype, x.device, config)
+    counts = _uninitialised((num_segments if write_counts else 0,), torch.int32, x.device, config)
     acc = _accumulator(x.dtype)
     block_cols = 1 if n_cols == 1 else _column_block(n_cols)
-    block_rows = chunk_rows(block_cols)
+    block_rows = _chunk_rows(block_cols, config)
     # No chunk longer than the input, rounded up to a power of two: padding rows cost
     # scan steps (and the interpreter's scan steps are slow).
     block_rows = min(block_rows, max(16, runtime.next_power_of_2(N)))
@@ -689,12 +714,13 @@ def segment_reduce(x: torch.Tensor, y, idx: torch.Tensor, num_segments: int, pro
     col_blocks = runtime.cdiv(n_cols, block_cols)
     acc_torch = torch.float64 if x.dtype == torch.float64 else torch.float32
     y_arg = x if y is None else y
-    rows_per_thread = ROWS_PER_THREAD if n_cols == 1 else VECTOR_ROWS_PER_THREAD
+    rows_per_thread = config.rows_per_thread if n_cols == 1 else config.vector_rows_per_thread
     # (the in-order pass indexes the flat rows, up to one chunk past N, in int32)
-    in_order = (prologue == ROW_VALUE and epilogue in (TOTAL, DIVIDE_BY_COUNT) and n_cols <= ROWS_IN_ORDER_MAX_COLS
-                and (N + rows_per_thread * ROWS_IN_ORDER_THREADS) * n_cols < 2 ** 31)
+    in_order = (prologue == ROW_VALUE.value and epilogue in (TOTAL.value, DIVIDE_BY_COUNT.value)
+                and n_cols <= config.rows_in_order_max_cols
+                and (N + rows_per_thread * config.rows_in_order_threads) * n_cols < 2 ** 31)
     if in_order:
-        lanes = _rows_in_order_lanes(N, rows_per_thread)
+        lanes = _rows_in_order_lanes(N, rows_per_thread, config)
         n_chunks = runtime.cdiv(N, rows_per_thread * lanes)
     part_value = torch.empty((2 * n_chunks, n_cols), dtype=acc_torch, device=x.device)
     # Segment ids and row counts of the partials share one allocation (fewer host calls).
@@ -702,37 +728,40 @@ def segment_reduce(x: torch.Tensor, y, idx: torch.Tensor, num_segments: int, pro
     if in_order:
         segment_sum_rows_kernel[(n_chunks,)](
             x, idx, out, counts, part_value, part_segment, part_count, N, num_segments,
-            EPILOGUE=epilogue, WRITE_COUNTS=write_counts, NEED_COUNTS=write_counts or epilogue != TOTAL,
-            ZERO_FILL=ZERO_FILL_IN_KERNEL, COLS=n_cols, COLS_POW2=runtime.next_power_of_2(n_cols), ROWS_PER_THREAD=rows_per_thread,
+            EPILOGUE=epilogue, WRITE_COUNTS=write_counts, NEED_COUNTS=write_counts or epilogue != TOTAL.value,
+            COLS=n_cols, COLS_POW2=runtime.next_power_of_2(n_cols), ROWS_PER_THREAD=rows_per_thread,
             BITS=rows_per_thread.bit_length() - 1, THREADS=lanes,
             VECTOR_IDX=_vector_loads(idx, rows_per_thread), VECTOR_X=_vector_loads(x, rows_per_thread), ACC_DTYPE=acc,
-            FAST_DIVIDE=FAST_DIVIDE and not runtime.INTERPRETED and acc == tl.float32,
-            num_warps=max(1, min(16, lanes // 32)), **_register_cap(epilogue, n_cols, x.dtype),
+            # compiled float32: the approximate reciprocal (1 ulp) instead of a division
+            FAST_DIVIDE=not runtime.INTERPRETED and acc == tl.float32,
+            num_warps=max(1, min(16, lanes // 32)), **_register_cap(epilogue, n_cols, x.dtype, config),
         )
     else:
         segment_reduce_chunks_kernel[(n_chunks, col_blocks)](
             x, y_arg, idx, out, counts, part_value, part_segment, part_count,
             N, D, K, n_cols, num_segments,
-            PROLOGUE=prologue, EPILOGUE=epilogue, WRITE_COUNTS=write_counts, ZERO_FILL=ZERO_FILL_IN_KERNEL,
-            ONE_SCAN=COUNTS_IN_VALUE_SCAN,
-            NEED_COUNTS=write_counts or epilogue != TOTAL,
+            PROLOGUE=prologue, EPILOGUE=epilogue, WRITE_COUNTS=write_counts,
+            NEED_COUNTS=write_counts or epilogue != TOTAL.value,
             BLOCK_ROWS=block_rows, BLOCK_COLS=block_cols, ACC_DTYPE=acc,
-            num_warps=CHUNK_WARPS or _warps_for(block_rows * block_cols),
+            num_warps=_warps_for(block_rows * block_cols),
         )
-    combine_parts = min(COMBINE_PARTS, runtime.next_power_of_2(2 * n_chunks))
+    combine_parts = min(config.combine_parts, runtime.next_power_of_2(2 * n_chunks))
     segment_reduce_combine_kernel[(runtime.cdiv(2 * n_chunks, combine_parts), col_blocks)](
         part_value, part_segment, part_count, out, counts, 2 * n_chunks, n_cols,
         EPILOGUE=epilogue, WRITE_COUNTS=write_counts,
-        BLOCK_PARTS=combine_parts, BACK_PARTS=max(combine_parts, min(COMBINE_BACK_PARTS, 4 * combine_parts)), BLOCK_COLS=block_cols, ACC_DTYPE=acc,
-        num_warps=COMBINE_WARPS,
+        BLOCK_PARTS=combine_parts, BACK_PARTS=max(combine_parts, min(config.combine_back_parts, 4 * combine_parts)),
+        BLOCK_COLS=block_cols, ACC_DTYPE=acc,
+        num_warps=config.combine_warps,
     )
     return out, counts
 
 
 @runtime.on_inputs_device
-def segment_rowwise(mode: int, a, b: torch.Tensor, idx: torch.Tensor, counts=None, r=None,
-                    n_cols: int = None) -> torch.Tensor:
-    """Launch a row-wise map (see ``segment_rowwise_kernel``); returns ``(N, n_cols)``."""
+def segment_rowwise_triton(mode: tl.constexpr, a, b: torch.Tensor, idx: torch.Tensor, counts=None, r=None,
+                           n_cols: int = None, config: Optional[SegmentConfig] = None) -> torch.Tensor:
+    """Launch the row-wise map ``mode`` (one of ``GATHER``, ``GATHER_OVER_COUNT``,
+    ``SCALE_ROWS``, ``RMS_BACKWARD``: see ``segment_rowwise_kernel``); returns ``(N, n_cols)``."""
+    config = segment_config() if config is None else config
     N = idx.shape[0]
     if n_cols is None:
         n_cols = a.shape[1] if a is not None else b.shape[1]
@@ -741,20 +770,23 @@ def segment_rowwise(mode: int, a, b: torch.Tensor, idx: torch.Tensor, counts=Non
     if N == 0 or n_cols == 0:
         return out
     block_cols = _column_block(n_cols)
-    block_rows = max(16, ROWWISE_ELEMENTS // block_cols)
+    block_rows = max(16, config.rowwise_elements // block_cols)
     dummy = b
     segment_rowwise_kernel[(runtime.cdiv(N, block_rows), runtime.cdiv(n_cols, block_cols))](
         a if a is not None else dummy, b, counts if counts is not None else idx,
         r if r is not None else dummy, idx, out, N, n_cols,
-        MODE=mode, BROADCAST_B=b.shape[1] == 1 and n_cols != 1, BLOCK_ROWS=block_rows, BLOCK_COLS=block_cols, ACC_DTYPE=_accumulator(dtype),
+        MODE=mode.value, BROADCAST_B=b.shape[1] == 1 and n_cols != 1, BLOCK_ROWS=block_rows, BLOCK_COLS=block_cols,
+        ACC_DTYPE=_accumulator(dtype),
         num_warps=4,
     )
     return out
 
 
 @runtime.on_inputs_device
-def segment_matvec(v: torch.Tensor, m: torch.Tensor, idx: torch.Tensor, transpose: bool) -> torch.Tensor:
+def segment_matvec_triton(v: torch.Tensor, m: torch.Tensor, idx: torch.Tensor, transpose: bool,
+                          config: Optional[SegmentConfig] = None) -> torch.Tensor:
     """``m[idx]^T v`` (``transpose=False``; v ``(N, D)`` -> ``(N, K)``) or ``m[idx] v`` (``(N, K)`` -> ``(N, D)``)."""
+    config = segment_config() if config is None else config
     N = v.shape[0]
     _, D, K = m.shape
     n_out = D if transpose else K
@@ -762,7 +794,7 @@ def segment_matvec(v: torch.Tensor, m: torch.Tensor, idx: torch.Tensor, transpos
     if N == 0 or n_out == 0:
         return out
     block_out = runtime.next_power_of_2(n_out)
-    block_rows = max(16, ROWWISE_ELEMENTS // block_out)
+    block_rows = max(16, config.rowwise_elements // block_out)
     segment_matvec_kernel[(runtime.cdiv(N, block_rows),)](
         v, m, idx, out, N, D, K,
         TRANSPOSE=transpose, BLOCK_ROWS=block_rows, BLOCK_OUT=block_out, ACC_DTYPE=_accumulator(v.dtype),
@@ -772,7 +804,7 @@ def segment_matvec(v: torch.Tensor, m: torch.Tensor, idx: torch.Tensor, transpos
 
 
 @runtime.on_inputs_device
-def rms_norm_double_backward(p, g, r, counts):
+def rms_norm_double_backward_triton(p, g, r, counts):
     """Launch ``rms_norm_double_backward_kernel`` on ``(S, 1)`` tensors; returns ``(grad_g, grad_r)``."""
     S = p.shape[0]
     grad_g = torch.empty_like(g)
@@ -785,4 +817,11 @@ def rms_norm_double_backward(p, g, r, counts):
     return grad_g, grad_r
 
 
-__all__ = ["segment_reduce", "segment_rowwise", "segment_matvec", "rms_norm_double_backward"]
+__all__ = [
+    "SegmentConfig",
+    "segment_config",
+    "segment_reduce_triton",
+    "segment_rowwise_triton",
+    "segment_matvec_triton",
+    "rms_norm_double_backward_triton",
+]
