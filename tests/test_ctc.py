@@ -379,6 +379,20 @@ def test_custom_op_registration(device, reduction, zero_infinity):
                           (x, batch.cu_seqlens, batch.targets, batch.target_lengths, 0, reduction, zero_infinity))
 
 
+def test_torch_func_grad(device):
+    """``torch.func.grad`` of the loss (the operator's functional form) equals autograd's gradient."""
+    batch = make_batch([9, 0, 6, 4], 7, [3, 0, 2, 1], seed=73, device=device)
+    x = batch.log_probs.float().detach()
+
+    def loss_of(z):
+        return pk.packed_ctc_loss(z, batch.cu_seqlens, batch.targets, batch.target_lengths, reduction="mean")
+
+    grad = torch.func.grad(loss_of)(x)
+    x = x.clone().requires_grad_()
+    (expected,) = torch.autograd.grad(loss_of(x), x)
+    assert torch.isfinite(expected).all() and torch.equal(grad, expected)
+
+
 def test_deterministic(device):
     """Bitwise the same loss and gradient on every run, with repeated labels and the blank in targets."""
     batch = make_batch([40, 33, 21], 9, [8, 7, 5], seed=37, labels=[[1, 1, 2, 1, 0, 1, 1, 3]], device=device)

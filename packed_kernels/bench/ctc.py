@@ -39,30 +39,32 @@ def utterance_lengths(B: int, T: int, ratio: int, seed: int):
     return input_lengths, target_lengths
 
 
-def _targets(B: int, U: int, C: int, seed: int, device: str) -> torch.Tensor:
+def _inputs(layout, B: int, C: int, input_lengths, target_lengths, seed: int):
+    """On the GPU: log-probabilities of shape ``layout`` that require a gradient, the
+    targets, the frame counts and the target lengths."""
+    device = "cuda"
     g = torch.Generator(device=device).manual_seed(seed)
-    return torch.randint(1, C, (B, U), generator=g, device=device)
+    x = torch.randn(layout, generator=g, device=device).log_softmax(-1).requires_grad_()
+    g = torch.Generator(device=device).manual_seed(seed)
+    targets = torch.randint(1, C, (B, int(target_lengths.max())), generator=g, device=device)
+    return x, targets, input_lengths.to(device), target_lengths.to(device)
 
 
-def _log_probs(shape, seed: int, device: str) -> torch.Tensor:
-    g = torch.Generator(device=device).manual_seed(seed)
-    return torch.randn(shape, generator=g, device=device).log_softmax(-1)
+def _step(loss_of, x):
+    """One timed call: the loss of ``x`` and its gradient (no ``.grad`` accumulates)."""
+
+    def step():
+        return torch.autograd.grad(loss_of(x), x)
+
+    return step
 
 
 def _torch_provider(B, T, C, input_lengths, target_lengths, seed):
     def factory():
         import torch.nn.functional as F
 
-        device = "cuda"
-        x = _log_probs((T, B, C), seed, device).requires_grad_()
-        targets = _targets(B, int(target_lengths.max()), C, seed, device)
-        il, tl = input_lengths.to(device), target_lengths.to(device)
-
-        def step():
-            loss = F.ctc_loss(x, targets, il, tl, blank=0, reduction="mean")
-            return torch.autograd.grad(loss, x)
-
-        return step
+        x, targets, il, tl = _inputs((T, B, C), B, C, input_lengths, target_lengths, seed)
+        return _step(lambda x: F.ctc_loss(x, targets, il, tl, blank=0, reduction="mean"), x)
 
     return factory
 
@@ -71,18 +73,10 @@ def _packed_provider(B, T, C, input_lengths, target_lengths, seed):
     def factory():
         from .. import cu_seqlens_from_lengths, packed_ctc_loss
 
-        device = "cuda"
         T_total = int(input_lengths.sum())
-        x = _log_probs((T_total, C), seed, device).requires_grad_()
-        targets = _targets(B, int(target_lengths.max()), C, seed, device)
-        cu = cu_seqlens_from_lengths(input_lengths.to(device))
-        tl = target_lengths.to(device)
-
-        def step():
-            loss = packed_ctc_loss(x, cu, targets, tl, blank=0, reduction="mean")
-            return torch.autograd.grad(loss, x)
-
-        return step
+        x, targets, il, tl = _inputs((T_total, C), B, C, input_lengths, target_lengths, seed)
+        cu = cu_seqlens_from_lengths(il)
+        return _step(lambda x: packed_ctc_loss(x, cu, targets, tl, blank=0, reduction="mean"), x)
 
     return factory
 
@@ -91,16 +85,8 @@ def _padded_stage_provider(B, T, C, input_lengths, target_lengths, seed):
     def factory():
         from ..ops.ctc.padded_torch import ctc_loss_padded
 
-        device = "cuda"
-        x = _log_probs((B, T, C), seed, device).requires_grad_()
-        targets = _targets(B, int(target_lengths.max()), C, seed, device)
-        il, tl = input_lengths.to(device), target_lengths.to(device)
-
-        def step():
-            loss = ctc_loss_padded(x, il, targets, tl, blank=0, reduction="mean")
-            return torch.autograd.grad(loss, x)
-
-        return step
+        x, targets, il, tl = _inputs((B, T, C), B, C, input_lengths, target_lengths, seed)
+        return _step(lambda x: ctc_loss_padded(x, il, targets, tl, blank=0, reduction="mean"), x)
 
     return factory
 
@@ -116,7 +102,7 @@ def cases() -> Iterator[Case]:
             "torch": _torch_provider(*args),
             "triton_packed": _packed_provider(*args),
         }
-        if T <= 500:  # a Python loop over frames: about a second per call beyond that
+        if T <= 500:  # a Python loop over frames, one step per frame: the short shapes only
             providers["padded_torch"] = _padded_stage_provider(*args)
         yield Case(
             workload="fwd+bwd",

@@ -159,10 +159,12 @@ class _HostCopies:
             self.done.record(side)
 
     def wait(self):
-        if self.done is None:
-            return [t.numpy() for t in self.tensors]
-        self.done.synchronize()
-        return [h.numpy() for h in self.hosts]
+        if self.done is not None:
+            self.done.synchronize()
+        # (under a torch.func transform, reading plain tensors' values needs the
+        # transforms switched off for the read)
+        with torch._C._DisableFuncTorch():
+            return [t.numpy() for t in (self.tensors if self.done is None else self.hosts)]
 
 
 _SIDE_STREAMS = {}
