@@ -4,6 +4,7 @@ References: the float64 NumPy stage (iterations, hand-written reverse mode, leas
 squares on the singular implicit system), autograd through the PyTorch loop, finite
 differences of the converged map (gradcheck).
 """
+import dataclasses
 import math
 
 import numpy as np
@@ -12,10 +13,14 @@ import torch
 
 from packed_kernels import runtime, sinkhorn, sinkhorn_backward
 from packed_kernels.ops.sinkhorn import naive_numpy, padded_torch, triton_kernels
+from packed_kernels.ops.sinkhorn.triton_kernels import Layout
 
 from assertions import assert_close
 
 NS = [1, 2, 3, 4, 5, 8, 16, 32]
+#: n of the one-token-per-thread kernels, and of the forward's two tokens a thread
+TOKEN_PER_THREAD_N = [2, 4, 8]
+STAGGERED_N = [2, 4]
 
 
 def _tokens(n):
@@ -38,7 +43,7 @@ def _loop_reference(logits64, iters, grad64=None):
     torch.set_num_threads(1)
     try:
         x = logits64.detach().clone().requires_grad_(grad64 is not None)
-        R = padded_torch.sinkhorn_torch(x, iters)
+        R = padded_torch.sinkhorn_padded(x, iters)
         if grad64 is None:
             return R.detach(), None
         R.backward(grad64)
@@ -58,6 +63,22 @@ def _birkhoff(n, tokens, seed, peak=1.0):
             perm = torch.randperm(n, generator=g)
             out[t, torch.arange(n), perm] += w
     return out
+
+
+def _forward_triton(x, iters, layout=None, **fields):
+    """The forward launcher with the default configuration, or with ``layout`` and ``fields`` changed."""
+    config = triton_kernels.forward_config(x.shape[-1], x.dtype, layout=layout)
+    return triton_kernels.sinkhorn_forward_triton(x, iters, dataclasses.replace(config, **fields))
+
+
+def _implicit_triton(R, g, cg_iters=None, layout=None, **fields):
+    config = triton_kernels.implicit_backward_config(R.shape[-1], R.dtype, cg_iters is not None, layout=layout)
+    return triton_kernels.sinkhorn_implicit_backward_triton(R, g, cg_iters, dataclasses.replace(config, **fields))
+
+
+def _unrolled_triton(x, g, iters, layout=None, **fields):
+    config = triton_kernels.unrolled_backward_config(x.shape[-1], x.dtype, iters, layout=layout)
+    return triton_kernels.sinkhorn_unrolled_backward_triton(x, g, iters, dataclasses.replace(config, **fields))
 
 
 # --------------------------------------------------------------------------- forward
@@ -139,7 +160,7 @@ def test_unrolled_backward_matches_numpy_reverse_mode():
     x = _logits((5, 5), 2.0, seed=7)
     g = _logits((5, 5), 1.0, seed=8)
     _, ref = _loop_reference(x, 9, g)
-    assert_close("numpy reverse mode", naive_numpy.unrolled_gradient_numpy(x.numpy(), g.numpy(), 9), ref,
+    assert_close("numpy reverse mode", naive_numpy.unrolled_backward_numpy(x.numpy(), g.numpy(), 9), ref,
                  atol=1e-13, rtol=1e-12)
 
 
@@ -149,54 +170,56 @@ def test_unrolled_backward_checkpoint_segments(device, iters):
     x64 = _logits((9, 3, 3), 2.0, seed=iters)
     g64 = _logits((9, 3, 3), 1.0, seed=iters + 1)
     _, ref = _loop_reference(x64, iters, g64)
-    got = triton_kernels.sinkhorn_unrolled_backward_triton(x64.to(device), g64.to(device), iters)
-    assert_close(f"segments {triton_kernels.segments(iters)}", got, ref, atol=1e-12, rtol=1e-10)
+    got = _unrolled_triton(x64.to(device), g64.to(device), iters)
+    assert_close(f"segments {triton_kernels.checkpoint_segments(iters)}", got, ref, atol=1e-12, rtol=1e-10)
 
 
-@pytest.mark.parametrize("n", triton_kernels.SMALL_N, ids=lambda n: f"n{n}")
+@pytest.mark.parametrize("n", TOKEN_PER_THREAD_N, ids=lambda n: f"n{n}")
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=str)
 def test_one_token_per_thread_kernels_match_tile_kernels(device, n, dtype):
-    # n in SMALL_N runs kernels that keep a whole matrix in one thread; the tile
+    # These n run kernels that keep a whole matrix in one thread by default; the tile
     # kernels (checked against the references above for every n) must agree.
     x = _logits((45, n, n), 3.0, seed=600 + n, dtype=dtype).to(device)
     g = _logits((45, n, n), 1.0, seed=700 + n, dtype=dtype).to(device)
     tol = dict(atol=1e-13, rtol=1e-11) if dtype == torch.float64 else dict(atol=2e-5, rtol=2e-4)
-    R = triton_kernels.sinkhorn_forward_triton(x, 20)
-    assert_close("forward", R, triton_kernels.sinkhorn_forward_triton(x, 20, tile=True), **tol)
+    assert triton_kernels.forward_config(n, dtype).layout is Layout.TOKEN_PER_THREAD
+    R = _forward_triton(x, 20)
+    assert_close("forward", R, _forward_triton(x, 20, layout=Layout.TILE), **tol)
     # every reciprocal its own (no pairs of sums sharing one)
-    assert_close("forward, unpaired", triton_kernels.sinkhorn_forward_triton(x, 20, pairs=0), R, **tol)
-    assert_close("implicit", triton_kernels.sinkhorn_implicit_backward_triton(R, g),
-                 triton_kernels.sinkhorn_implicit_backward_triton(R, g, tile=True), **tol)
+    assert_close("forward, unpaired", _forward_triton(x, 20, reciprocal_pairs=0), R, **tol)
+    assert_close("implicit", _implicit_triton(R, g), _implicit_triton(R, g, layout=Layout.TILE), **tol)
     for iters in (1, 20):
-        assert_close(f"unrolled it{iters}", triton_kernels.sinkhorn_unrolled_backward_triton(x, g, iters),
-                     triton_kernels.sinkhorn_unrolled_backward_triton(x, g, iters, tile=True), **tol)
+        assert_close(f"unrolled it{iters}", _unrolled_triton(x, g, iters),
+                     _unrolled_triton(x, g, iters, layout=Layout.TILE), **tol)
 
 
-@pytest.mark.parametrize("n", triton_kernels.STAGGERED_N, ids=lambda n: f"n{n}")
+@pytest.mark.parametrize("n", STAGGERED_N, ids=lambda n: f"n{n}")
 def test_forward_pairs_only_where_products_stay_normal(device, n):
     # Where n <= 4, two sums share one reciprocal, 1/(ab), on tiles whose smallest
     # entry of K passes the bound of _pairing_safe. Token 150 (second tile) has its
     # first n/2 rows about e^-70 below the others. At n = 4 the product of its two
     # small row sums underflows float32, so a shared reciprocal there gives inf and
-    # NaN. Its tile must take plain reciprocals (the same bits as pairs=0); every
+    # NaN. Its tile must take plain reciprocals (the same bits as no pairs); every
     # token is checked against the float64 loop.
-    block = triton_kernels._small_block(n, torch.float32)
+    config = triton_kernels.forward_config(n, torch.float32)
+    assert config.staggered and config.reciprocal_pairs > 0
+    block = config.block
     T = 3 * block + 5
     x64 = _logits((T, n, n), 2.0, seed=950 + n)
     x64[150, : n // 2] -= 70.0
     x = x64.float()
     ref, _ = _loop_reference(x.double(), 20)
     assert bool(torch.isfinite(ref).all())
-    R = triton_kernels.sinkhorn_forward_triton(x.to(device), 20)
+    R = _forward_triton(x.to(device), 20)
     assert_close("R", R, ref, atol=2e-6, rtol=1e-5)
-    unpaired = triton_kernels.sinkhorn_forward_triton(x.to(device), 20, pairs=0)
+    unpaired = _forward_triton(x.to(device), 20, reciprocal_pairs=0)
     tile = slice(block, 2 * block)
     assert torch.equal(R[tile], unpaired[tile])  # the guarded tile: plain reciprocals, same bits
 
 
 @pytest.mark.parametrize("n,iters", [(4, 20), (8, 20), (3, 5)], ids=lambda v: str(v))
-def test_launchers_split_inputs_beyond_32_bit_offsets(device, n, iters, monkeypatch):
-    # Inputs of more than MAX_LAUNCH_ELEMENTS elements run in slices of whole tokens
+def test_launchers_split_inputs_beyond_32_bit_offsets(device, n, iters):
+    # Inputs of more than max_launch_elements elements run in slices of whole tokens
     # (the kernels index with 32-bit offsets). With the limit lowered, every launcher
     # must give the same bits as one launch. Token 140 is peaked (see the pairing test
     # above): slices that moved tile boundaries would move tokens 128 to 139 between a
@@ -205,15 +228,13 @@ def test_launchers_split_inputs_beyond_32_bit_offsets(device, n, iters, monkeypa
     g = _logits((300, n, n), 1.0, seed=970 + n, dtype=torch.float32).to(device)
     peaked = x.clone()
     peaked[140, : n // 2] -= 70.0
-    R = triton_kernels.sinkhorn_forward_triton(x, iters)
-    whole = (triton_kernels.sinkhorn_forward_triton(peaked, iters),
-             triton_kernels.sinkhorn_unrolled_backward_triton(x, g, iters),
-             triton_kernels.sinkhorn_implicit_backward_triton(R, g))
-    monkeypatch.setattr(triton_kernels, "MAX_LAUNCH_ELEMENTS", 130 * n * n)
-    assert [(p.start, p.stop) for p in triton_kernels._token_slices(300, n)] == [(0, 128), (128, 256), (256, 300)]
-    sliced = (triton_kernels.sinkhorn_forward_triton(peaked, iters),
-              triton_kernels.sinkhorn_unrolled_backward_triton(x, g, iters),
-              triton_kernels.sinkhorn_implicit_backward_triton(R, g))
+    R = _forward_triton(x, iters)
+    whole = (_forward_triton(peaked, iters), _unrolled_triton(x, g, iters), _implicit_triton(R, g))
+    limit = 130 * n * n
+    assert [(p.start, p.stop) for p in triton_kernels._token_slices(300, n, limit)] == [(0, 128), (128, 256), (256, 300)]
+    sliced = (_forward_triton(peaked, iters, max_launch_elements=limit),
+              _unrolled_triton(x, g, iters, max_launch_elements=limit),
+              _implicit_triton(R, g, max_launch_elements=limit))
     for name, a, b in zip(("forward", "unrolled", "implicit"), sliced, whole):
         assert torch.equal(a, b), name
 
@@ -244,21 +265,23 @@ def test_unrolled_scratch_variant_loops_over_tiles(device, n, iters):
     # scratch buffer. More tiles than programs, so programs reuse their scratch, and a
     # last tile that is partly past the end; the references are autograd through the
     # float64 loop (on a sample) and the checkpointed tile kernel (on every token).
-    block = triton_kernels._small_block(n, torch.float32)
+    config = triton_kernels.unrolled_backward_config(n, torch.float32, iters)
+    assert config.scratch
+    block = config.block
     if device == "cuda":
-        T = 2 * runtime.sm_count(torch.device("cuda")) * triton_kernels.SCRATCH_PROGRAMS_PER_SM * block + 7
+        T = 2 * runtime.sm_count(torch.device("cuda")) * config.scratch_programs_per_sm * block + 7
     else:
         T = 5 * block + 7  # 4 programs in the interpreter
     x64 = _logits((T, n, n), 3.0, seed=800 + n)  # peaked
     g64 = _logits((T, n, n), 1.0, seed=900 + n)
     sample = torch.arange(0, T, max(1, T // 40))
     _, ref = _loop_reference(x64[sample], iters, g64[sample])
-    got64 = triton_kernels.sinkhorn_unrolled_backward_triton(x64.to(device), g64.to(device), iters)
+    got64 = _unrolled_triton(x64.to(device), g64.to(device), iters)
     assert_close("float64, sample", got64[sample.to(device)], ref, atol=1e-12, rtol=1e-10)
-    tiles = triton_kernels.sinkhorn_unrolled_backward_triton(x64.to(device), g64.to(device), iters, tile=True)
+    tiles = _unrolled_triton(x64.to(device), g64.to(device), iters, layout=Layout.TILE)
     assert_close("float64, every token", got64, tiles, atol=1e-12, rtol=1e-10)
     x32, g32 = x64.float().to(device), g64.float().to(device)
-    got32 = triton_kernels.sinkhorn_unrolled_backward_triton(x32, g32, iters)
+    got32 = _unrolled_triton(x32, g32, iters)
     assert_close("float32, every token", got32, tiles, atol=2e-5, rtol=1e-4)
 
 
@@ -275,7 +298,7 @@ def test_implicit_backward_matches_least_squares_on_doubly_stochastic(device, n)
     T = min(_tokens(n), 12)
     R = _birkhoff(n, T, seed=n)
     g = _logits((T, n, n), 1.0, seed=300 + n)
-    ref = torch.stack([torch.from_numpy(naive_numpy.implicit_gradient_numpy(R[t].numpy(), g[t].numpy()))
+    ref = torch.stack([torch.from_numpy(naive_numpy.implicit_backward_numpy(R[t].numpy(), g[t].numpy()))
                        for t in range(T)])
     assert_close("implicit fp64 direct", sinkhorn_backward(R.to(device), g.to(device)), ref, atol=1e-11, rtol=1e-9)
     assert_close("implicit fp64 cg", sinkhorn_backward(R.to(device), g.to(device), cg_iters=2 * n), ref,
@@ -290,11 +313,11 @@ def test_implicit_float32_near_permutation(device, peak):
     n, T = 4, 64
     R = _birkhoff(n, T, seed=int(peak), peak=peak)
     g = _logits((T, n, n), 1.0, seed=17)
-    ref = torch.stack([torch.from_numpy(naive_numpy.implicit_gradient_numpy(R[t].numpy(), g[t].numpy()))
+    ref = torch.stack([torch.from_numpy(naive_numpy.implicit_backward_numpy(R[t].numpy(), g[t].numpy()))
                        for t in range(T)])
     # The direct solve (the default) stays at rounding level. Conjugate gradient is
-    # less robust here: on the H200 (fused multiply-adds, approximate division) it
-    # measured up to 5e-3 at peak 2, against 1e-6 under the interpreter.
+    # less robust here, compiled (fused multiply-adds, approximate division) more so
+    # than under the interpreter.
     for cg_iters, bound in ((None, 1e-5), (2 * n, 1e-2)):
         got = sinkhorn_backward(R.float().to(device), g.float().to(device), cg_iters=cg_iters)
         rel = float((got.cpu().double() - ref).norm() / ref.norm())
@@ -316,7 +339,7 @@ def test_implicit_gradcheck_against_converged_map(device):
     # finite differences of the 40-step map (converged to rounding level at these mild
     # logits) vs the implicit gradient
     x = _logits((2, 3, 3), 0.4, seed=21)
-    assert float((padded_torch.sinkhorn_torch(x, 40).sum(-2) - 1).abs().max()) < 1e-14
+    assert float((padded_torch.sinkhorn_padded(x, 40).sum(-2) - 1).abs().max()) < 1e-14
     x = x.to(device).requires_grad_()
     assert torch.autograd.gradcheck(lambda t: sinkhorn(t, 40, backward="implicit"), (x,), eps=1e-6, atol=1e-6)
 
@@ -327,7 +350,7 @@ def test_implicit_cg_matches_direct_and_padded(device, n):
     g = _logits((7, n, n), 1.0, seed=n + 1).to(device)
     direct = sinkhorn_backward(R, g)
     assert_close("cg vs direct", sinkhorn_backward(R, g, cg_iters=2 * n), direct, atol=1e-10, rtol=1e-8)
-    assert_close("padded torch cg vs direct", padded_torch.implicit_backward_torch(R.cpu(), g.cpu()), direct,
+    assert_close("padded torch cg vs direct", padded_torch.implicit_backward_padded(R.cpu(), g.cpu()), direct,
                  atol=1e-10, rtol=1e-8)
 
 
@@ -361,7 +384,7 @@ def test_large_n_uses_padded_stage(device, backward):
     if backward == "unrolled":
         _, ref = _loop_reference(x.detach().cpu(), 5, g.cpu())
     else:
-        ref = padded_torch.implicit_backward_torch(padded_torch.sinkhorn_torch(x.detach().cpu(), 5), g.cpu())
+        ref = padded_torch.implicit_backward_padded(padded_torch.sinkhorn_padded(x.detach().cpu(), 5), g.cpu())
     assert_close(f"n={n} {backward}", x.grad, ref, atol=1e-10, rtol=1e-8)
 
 

@@ -33,39 +33,51 @@ def _inputs(n: int, tokens: int, seed: int):
     return logits, grad
 
 
-def _fwd_triton(n, tokens, tile=False):
+def _layout(provider):
+    """The kernels' layout of a ``triton*`` provider: ``triton_tile`` forces the tile kernels."""
+    from ..ops.sinkhorn.triton_kernels import Layout
+
+    return Layout.TILE if provider == "triton_tile" else None
+
+
+def _fwd_triton(provider, n, tokens):
     def factory():
-        from ..ops.sinkhorn.triton_kernels import sinkhorn_forward_triton
+        from ..ops.sinkhorn.triton_kernels import forward_config, sinkhorn_forward_triton
 
         logits, _ = _inputs(n, tokens, 0)
-        return lambda: sinkhorn_forward_triton(logits, ITERS, tile=tile)
+        config = forward_config(n, logits.dtype, layout=_layout(provider))
+        return lambda: sinkhorn_forward_triton(logits, ITERS, config)
     return factory
 
 
 def _fwd_torch(n, tokens):
     def factory():
-        from ..ops.sinkhorn.padded_torch import sinkhorn_torch
+        from ..ops.sinkhorn.padded_torch import sinkhorn_padded
 
         logits, _ = _inputs(n, tokens, 0)
-        return lambda: sinkhorn_torch(logits, ITERS)
+        return lambda: sinkhorn_padded(logits, ITERS)
     return factory
 
 
 def _implicit(provider, n, tokens):
     def factory():
         from ..ops.sinkhorn import padded_torch
-        from ..ops.sinkhorn.triton_kernels import sinkhorn_forward_triton, sinkhorn_implicit_backward_triton
+        from ..ops.sinkhorn.triton_kernels import (
+            forward_config,
+            implicit_backward_config,
+            sinkhorn_forward_triton,
+            sinkhorn_implicit_backward_triton,
+        )
 
         logits, grad = _inputs(n, tokens, 1)
-        R = sinkhorn_forward_triton(logits, ITERS)
+        R = sinkhorn_forward_triton(logits, ITERS, forward_config(n, logits.dtype))
         del logits
-        if provider == "triton":
-            return lambda: sinkhorn_implicit_backward_triton(R, grad)
-        if provider == "triton_tile":
-            return lambda: sinkhorn_implicit_backward_triton(R, grad, tile=True)
+        if provider in ("triton", "triton_tile"):
+            config = implicit_backward_config(n, R.dtype, False, layout=_layout(provider))
+            return lambda: sinkhorn_implicit_backward_triton(R, grad, None, config)
         if provider == "torch_cg":
-            return lambda: padded_torch.implicit_backward_torch(R, grad)
-        return lambda: padded_torch.implicit_backward_eps_cg(R, grad)
+            return lambda: padded_torch.implicit_backward_padded(R, grad)
+        return lambda: padded_torch.implicit_backward_eps_cg_padded(R, grad)
     return factory
 
 
@@ -73,14 +85,14 @@ def _unrolled(provider, n, tokens):
     def factory():
         logits, grad = _inputs(n, tokens, 2)
         if provider in ("triton", "triton_tile"):
-            from ..ops.sinkhorn.triton_kernels import sinkhorn_unrolled_backward_triton
+            from ..ops.sinkhorn.triton_kernels import sinkhorn_unrolled_backward_triton, unrolled_backward_config
 
-            tile = provider == "triton_tile"
-            return lambda: sinkhorn_unrolled_backward_triton(logits, grad, ITERS, tile=tile)
-        from ..ops.sinkhorn.padded_torch import sinkhorn_torch
+            config = unrolled_backward_config(n, logits.dtype, ITERS, layout=_layout(provider))
+            return lambda: sinkhorn_unrolled_backward_triton(logits, grad, ITERS, config)
+        from ..ops.sinkhorn.padded_torch import sinkhorn_padded
 
         logits.requires_grad_()
-        R = sinkhorn_torch(logits, ITERS)  # the graph (every iterate) is kept for repeated backwards
+        R = sinkhorn_padded(logits, ITERS)  # the graph (every iterate) is kept for repeated backwards
         return (lambda: R.backward(grad, retain_graph=True)), [logits]
     return factory
 
@@ -97,28 +109,28 @@ def _fwd_bwd(provider, n, tokens):
         if provider == "triton_unrolled":
             return (lambda: sinkhorn(logits, ITERS, backward="unrolled").backward(grad)), [logits]
         if provider == "torch_loop":
-            return (lambda: padded_torch.sinkhorn_torch(logits, ITERS).backward(grad)), [logits]
+            return (lambda: padded_torch.sinkhorn_padded(logits, ITERS).backward(grad)), [logits]
 
         def torch_cg():
             with torch.no_grad():
-                R = padded_torch.sinkhorn_torch(logits, ITERS)
-            logits.grad = padded_torch.implicit_backward_torch(R, grad)
+                R = padded_torch.sinkhorn_padded(logits, ITERS)
+            logits.grad = padded_torch.implicit_backward_padded(R, grad)
         return torch_cg, [logits]
     return factory
 
 
 def cases() -> Iterable[Case]:
-    from ..ops.sinkhorn.triton_kernels import SMALL_N
+    from ..ops.sinkhorn.triton_kernels import Layout, forward_config
 
     for n, tokens in _SIZES:
         # the tile kernels too where the one-token-per-thread kernels take over
-        tile = ("triton_tile",) if n in SMALL_N else ()
+        tile = ("triton_tile",) if forward_config(n, torch.float32).layout is Layout.TOKEN_PER_THREAD else ()
         params = {"n": n, "tokens": tokens}
         matrix_bytes = tokens * n * n * 4
         notes = {"iters": ITERS, "bytes_per_token_fwd": 2 * n * n * 4}
-        fwd = {"triton": _fwd_triton(n, tokens), "torch_loop": _fwd_torch(n, tokens)}
+        fwd = {"triton": _fwd_triton("triton", n, tokens), "torch_loop": _fwd_torch(n, tokens)}
         if tile:
-            fwd["triton_tile"] = _fwd_triton(n, tokens, tile=True)
+            fwd["triton_tile"] = _fwd_triton("triton_tile", n, tokens)
         yield Case("fwd", params, fwd, floor_bytes=2 * matrix_bytes, notes=notes)
         yield Case("bwd_implicit", params,
                    {p: _implicit(p, n, tokens) for p in ("triton", *tile, "torch_cg", "eps_cg_float32")},

@@ -1,52 +1,57 @@
 """The public functions ``sinkhorn`` and ``sinkhorn_backward``: validation and autograd wiring.
 
-The kernels are wrapped as ``torch.library`` custom operators with fake (shape-only)
-implementations and a registered backward, so that ``torch.compile(fullgraph=True)``
-traces through them and autograd calls the Triton backward of the chosen kind.
-In eager mode the same launchers run through a plain ``torch.autograd.Function``:
-a custom-operator call costs on the order of a hundred microseconds of host time,
-more than the kernels themselves at a million tokens.
+The forward and the two backwards are :class:`~packed_kernels.dispatch.Operator` s
+(``packed_kernels::sinkhorn_forward``, ``::sinkhorn_implicit_backward``,
+``::sinkhorn_unrolled_backward``): eager calls run their ``autograd.Function``, traced
+ones (``torch.compile``, export, fake tensors, CUDA-graph capture) the custom ops. The
+forward's autograd formula calls the backward of the chosen kind.
 """
 from __future__ import annotations
 
 from typing import Optional
 
 import torch
+from torch import Tensor
 
-from ... import runtime, validation
-from ...dispatch import is_traced
-from ...validation import integer_argument
+from ... import validation
+from ...dispatch import operator
 from . import padded_torch
 from .triton_kernels import (
     MAX_KERNEL_N,
     MAX_UNROLLED_ITERS,
+    forward_config,
+    implicit_backward_config,
     sinkhorn_forward_triton,
     sinkhorn_implicit_backward_triton,
     sinkhorn_unrolled_backward_triton,
+    unrolled_backward_config,
 )
 
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 _BACKWARDS = ("implicit", "unrolled")
-_NO_CG = -1  # custom-op schemas take ints, not Optional: -1 selects the direct solve
+_DIRECT_SOLVE = -1  # custom-op schemas take ints, not Optional: -1 selects the direct solve
 
 
 def _cg_or_none(cg_iters: int):
-    return None if cg_iters == _NO_CG else cg_iters
+    return None if cg_iters == _DIRECT_SOLVE else cg_iters
 
 
-@torch.library.custom_op("packed_kernels::sinkhorn_forward", mutates_args=())
-def _sinkhorn_forward_op(logits: torch.Tensor, iters: int, unrolled: bool, cg_iters: int) -> torch.Tensor:
-    return sinkhorn_forward_triton(logits, iters)
+@operator("sinkhorn_forward")
+def _forward_op(logits: Tensor, iters: int, unrolled: bool, cg_iters: int) -> Tensor:
+    """``(T, n, n)`` logits -> ``R``; ``unrolled`` and ``cg_iters`` choose the backward."""
+    return sinkhorn_forward_triton(logits, iters, forward_config(logits.shape[-1], logits.dtype))
 
 
-@_sinkhorn_forward_op.register_fake
+@_forward_op.register_fake
 def _(logits, iters, unrolled, cg_iters):
     return torch.empty_like(logits)
 
 
-@torch.library.custom_op("packed_kernels::sinkhorn_implicit_backward", mutates_args=())
-def _implicit_backward_op(R: torch.Tensor, grad_R: torch.Tensor, cg_iters: int) -> torch.Tensor:
-    return sinkhorn_implicit_backward_triton(R, grad_R.contiguous(), _cg_or_none(cg_iters))
+@operator("sinkhorn_implicit_backward")
+def _implicit_backward_op(R: Tensor, grad_R: Tensor, cg_iters: int) -> Tensor:
+    cg = _cg_or_none(cg_iters)
+    config = implicit_backward_config(R.shape[-1], R.dtype, cg is not None)
+    return sinkhorn_implicit_backward_triton(R, grad_R.contiguous(), cg, config)
 
 
 @_implicit_backward_op.register_fake
@@ -54,9 +59,10 @@ def _(R, grad_R, cg_iters):
     return torch.empty_like(R)
 
 
-@torch.library.custom_op("packed_kernels::sinkhorn_unrolled_backward", mutates_args=())
-def _unrolled_backward_op(logits: torch.Tensor, grad_R: torch.Tensor, iters: int) -> torch.Tensor:
-    return sinkhorn_unrolled_backward_triton(logits, grad_R.contiguous(), iters)
+@operator("sinkhorn_unrolled_backward")
+def _unrolled_backward_op(logits: Tensor, grad_R: Tensor, iters: int) -> Tensor:
+    config = unrolled_backward_config(logits.shape[-1], logits.dtype, iters)
+    return sinkhorn_unrolled_backward_triton(logits, grad_R.contiguous(), iters, config)
 
 
 @_unrolled_backward_op.register_fake
@@ -64,45 +70,24 @@ def _(logits, grad_R, iters):
     return torch.empty_like(logits)
 
 
-def _setup_context(ctx, inputs, output):
+def _forward_setup(ctx, inputs, output):
     logits, iters, unrolled, cg_iters = inputs
     ctx.iters, ctx.unrolled, ctx.cg_iters = iters, unrolled, cg_iters
     # the unrolled backward recomputes the iterates from the logits; the implicit one needs only R
     ctx.save_for_backward(logits if unrolled else output)
 
 
-def _backward(ctx, grad_R):
+def _forward_backward(ctx, grad_R):
     (saved,) = ctx.saved_tensors
     grad_R = grad_R.to(saved.dtype)
     if ctx.unrolled:
-        grad = _unrolled_backward_op(saved, grad_R, ctx.iters)
+        grad = _unrolled_backward_op.within(ctx)(saved, grad_R, ctx.iters)
     else:
-        grad = _implicit_backward_op(saved, grad_R, ctx.cg_iters)
+        grad = _implicit_backward_op.within(ctx)(saved, grad_R, ctx.cg_iters)
     return grad, None, None, None
 
 
-_sinkhorn_forward_op.register_autograd(_backward, setup_context=_setup_context)
-
-
-class _EagerSinkhorn(torch.autograd.Function):
-    """The custom operator's forward and backward, without the dispatcher (eager mode)."""
-
-    @staticmethod
-    def forward(ctx, logits, iters, unrolled, cg_iters):
-        R = sinkhorn_forward_triton(logits, iters)
-        ctx.iters, ctx.unrolled, ctx.cg_iters = iters, unrolled, cg_iters
-        ctx.save_for_backward(logits if unrolled else R)
-        return R
-
-    @staticmethod
-    def backward(ctx, grad_R):
-        (saved,) = ctx.saved_tensors
-        grad_R = grad_R.to(saved.dtype).contiguous()
-        if ctx.unrolled:
-            grad = sinkhorn_unrolled_backward_triton(saved, grad_R, ctx.iters)
-        else:
-            grad = sinkhorn_implicit_backward_triton(saved, grad_R, _cg_or_none(ctx.cg_iters))
-        return grad, None, None, None
+_forward_op.register_autograd(_forward_backward, setup_context=_forward_setup)
 
 
 class _PaddedImplicit(torch.autograd.Function):
@@ -111,7 +96,7 @@ class _PaddedImplicit(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, iters, cg_iters):
         with torch.no_grad():
-            R = padded_torch.sinkhorn_torch(logits, iters)
+            R = padded_torch.sinkhorn_padded(logits, iters)
         ctx.save_for_backward(R)
         ctx.cg_iters = cg_iters
         return R
@@ -119,16 +104,14 @@ class _PaddedImplicit(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_R):
         (R,) = ctx.saved_tensors
-        return padded_torch.implicit_backward_torch(R, grad_R, ctx.cg_iters), None, None
+        return padded_torch.implicit_backward_padded(R, grad_R, ctx.cg_iters), None, None
 
 
 def _check_matrices(name: str, x) -> int:
-    if not isinstance(x, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor; got {type(x).__name__}")
+    """``x`` a float tensor of shape ``(..., n, n)``, ``n >= 1``; returns ``n``."""
+    validation.check_float_tensor(name, x, dtypes=_FLOAT_DTYPES)
     if x.dim() < 2 or x.shape[-1] != x.shape[-2]:
         raise ValueError(f"{name} must have shape (..., n, n) with at least 2 dims; got shape {tuple(x.shape)}")
-    if x.dtype not in _FLOAT_DTYPES:
-        raise TypeError(f"{name} must be float32, bfloat16, float16 or float64; got {x.dtype}")
     if x.shape[-1] < 1:
         raise ValueError(f"{name} must have n >= 1; got shape {tuple(x.shape)}")
     return x.shape[-1]
@@ -136,8 +119,8 @@ def _check_matrices(name: str, x) -> int:
 
 def _check_cg_iters(cg_iters) -> int:
     if cg_iters is None:
-        return _NO_CG
-    cg_iters = integer_argument("cg_iters", cg_iters, "None or an int")
+        return _DIRECT_SOLVE
+    cg_iters = validation.integer_argument("cg_iters", cg_iters, "None or an int")
     if cg_iters < 1:
         raise ValueError(f"cg_iters must be >= 1 (or None for the direct solve); got {cg_iters}")
     return cg_iters
@@ -172,33 +155,28 @@ def sinkhorn(logits: torch.Tensor, iters: int = 20, *, backward: str = "implicit
     kernel; its implicit backward is conjugate gradient with ``cg_iters`` or ``2n``
     steps). ``backward="unrolled"`` with more than 128 iterations also runs the
     padded PyTorch stage (autograd through the loop, which stores every iterate):
-    the kernels keep their recomputation checkpoints in registers. A NaN or ``+inf`` logit makes its own
-    matrix NaN (forward and gradient) and leaves the others untouched; ``-inf``
-    logits are exact zeros as long as every row and column keeps a finite entry.
+    the kernels keep their recomputation checkpoints in registers. A NaN or ``+inf``
+    logit makes its own matrix NaN (forward and gradient) and leaves the others
+    untouched; ``-inf`` logits are exact zeros as long as every row and column keeps a
+    finite entry.
     """
     n = _check_matrices("logits", logits)
-    iters = integer_argument("iters", iters)
+    iters = validation.integer_argument("iters", iters)
     if iters < 1:
         raise ValueError(f"iters must be >= 1; got {iters}")
-    if backward not in _BACKWARDS:
-        raise ValueError(f"backward must be one of {_BACKWARDS}; got {backward!r}")
+    validation.check_choice("backward", backward, _BACKWARDS)
     cg = _check_cg_iters(cg_iters)
-    if cg != _NO_CG and backward != "implicit":
+    if cg != _DIRECT_SOLVE and backward != "implicit":
         raise ValueError("cg_iters applies to backward='implicit' only; got backward='unrolled' with cg_iters set")
     if backward == "unrolled" and iters > MAX_UNROLLED_ITERS:
-        return padded_torch.sinkhorn_torch(logits, iters)
+        return padded_torch.sinkhorn_padded(logits, iters)
     if n > MAX_KERNEL_N:
         if backward == "unrolled":
-            return padded_torch.sinkhorn_torch(logits, iters)
+            return padded_torch.sinkhorn_padded(logits, iters)
         return _PaddedImplicit.apply(logits, iters, _cg_or_none(cg))
     validation.check_kernel_device("logits", logits)
-    shape = logits.shape
     flat = logits.contiguous().view(-1, n, n)
-    if is_traced():
-        R = _sinkhorn_forward_op(flat, iters, backward == "unrolled", cg)
-    else:
-        R = _EagerSinkhorn.apply(flat, iters, backward == "unrolled", cg)
-    return R.view(shape)
+    return _forward_op(flat, iters, backward == "unrolled", cg).view(logits.shape)
 
 
 def sinkhorn_backward(R: torch.Tensor, grad_R: torch.Tensor, cg_iters: Optional[int] = None) -> torch.Tensor:
@@ -220,8 +198,7 @@ def sinkhorn_backward(R: torch.Tensor, grad_R: torch.Tensor, cg_iters: Optional[
         and dtype as ``R``. Not differentiable itself.
     """
     n = _check_matrices("R", R)
-    if not isinstance(grad_R, torch.Tensor):
-        raise TypeError(f"grad_R must be a torch.Tensor; got {type(grad_R).__name__}")
+    validation.check_tensor("grad_R", grad_R)
     if grad_R.shape != R.shape:
         raise ValueError(f"grad_R must have the shape of R {tuple(R.shape)}; got {tuple(grad_R.shape)}")
     if not grad_R.is_floating_point():
@@ -229,10 +206,8 @@ def sinkhorn_backward(R: torch.Tensor, grad_R: torch.Tensor, cg_iters: Optional[
     validation.check_same_device(R=R, grad_R=grad_R)
     cg = _check_cg_iters(cg_iters)
     if n > MAX_KERNEL_N:
-        return padded_torch.implicit_backward_torch(R, grad_R.to(R.dtype), _cg_or_none(cg))
+        return padded_torch.implicit_backward_padded(R, grad_R.to(R.dtype), _cg_or_none(cg))
     validation.check_kernel_device("R", R)
     flat_R = R.detach().contiguous().view(-1, n, n)
     flat_grad = grad_R.detach().to(R.dtype).contiguous().view(-1, n, n)
-    if is_traced():
-        return _implicit_backward_op(flat_R, flat_grad, cg).view(R.shape)
-    return sinkhorn_implicit_backward_triton(flat_R, flat_grad, _cg_or_none(cg)).view(R.shape)
+    return _implicit_backward_op(flat_R, flat_grad, cg).view(R.shape)

@@ -4,8 +4,8 @@ The reference every other stage is checked against. Three functions, each writte
 for one matrix and for reading rather than for speed:
 
 * :func:`sinkhorn_numpy`: the iterations themselves;
-* :func:`unrolled_gradient_numpy`: reverse mode through those iterations, by hand;
-* :func:`implicit_gradient_numpy`: the gradient of the converged projection, by
+* :func:`unrolled_backward_numpy`: reverse mode through those iterations, by hand;
+* :func:`implicit_backward_numpy`: the gradient of the converged projection, by
   solving the singular ``2n x 2n`` linear system of the implicit function theorem
   directly, in the least-squares (minimum-norm) sense.
 """
@@ -28,7 +28,7 @@ def sinkhorn_numpy(logits: np.ndarray, iters: int = 20) -> np.ndarray:
     return E
 
 
-def unrolled_gradient_numpy(logits: np.ndarray, grad_R: np.ndarray, iters: int = 20) -> np.ndarray:
+def unrolled_backward_numpy(logits: np.ndarray, grad_R: np.ndarray, iters: int = 20) -> np.ndarray:
     """Exact gradient of the ``iters``-step map, by reverse mode through every step.
 
     One normalisation ``Y = X / s`` with ``s`` the sums of ``X`` along an axis has the
@@ -65,7 +65,7 @@ def implicit_system_numpy(R: np.ndarray, grad_R: np.ndarray):
     return A, rhs
 
 
-def implicit_gradient_numpy(R: np.ndarray, grad_R: np.ndarray) -> np.ndarray:
+def implicit_backward_numpy(R: np.ndarray, grad_R: np.ndarray) -> np.ndarray:
     """Gradient of the converged (doubly stochastic) projection with respect to its logits.
 
     Solves ``[[I, R], [R^T, I]] [x1; x2] = [rowsum(R*dR); colsum(R*dR)]`` by least

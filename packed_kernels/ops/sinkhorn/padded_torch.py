@@ -1,15 +1,15 @@
 """Stage 2: batched Sinkhorn in plain PyTorch over ``(..., n, n)``.
 
-* :func:`sinkhorn_torch`: the iterations as tensor operations; autograd through the
+* :func:`sinkhorn_padded`: the iterations as tensor operations; autograd through the
   loop gives the exact gradient of the ``iters``-step map (the reference of the
   unrolled Triton backward). Every iteration reads and writes the whole tensor
   (several times), and autograd keeps every iterate for the backward.
 * :func:`column_laplacian`: the well-conditioned form of the implicit system (see
   below), shared with the conjugate-gradient backward.
-* :func:`implicit_backward_torch`: the implicit gradient by batched conjugate
+* :func:`implicit_backward_padded`: the implicit gradient by batched conjugate
   gradient on that system (``cg_iters`` steps, default ``2n``).
-* :func:`implicit_backward_eps_cg`: the approach of published kernels, kept as a
-  comparison point: plain conjugate gradient on the ``2n x 2n`` system
+* :func:`implicit_backward_eps_cg_padded`: the approach of published kernels, kept as
+  a comparison point: plain conjugate gradient on the ``2n x 2n`` system
   ``[[I, R], [R^T, I]]`` with an epsilon added to its denominators.
 
 The well-conditioned form. Writing ``dlogits = R * (dR - alpha[:, None] - beta[None, :])``,
@@ -36,7 +36,7 @@ from typing import Optional
 import torch
 
 
-def sinkhorn_torch(logits: torch.Tensor, iters: int = 20) -> torch.Tensor:
+def sinkhorn_padded(logits: torch.Tensor, iters: int = 20) -> torch.Tensor:
     """``(..., n, n)`` logits -> ``(..., n, n)`` matrices, computed in the input dtype.
 
     Differentiable by autograd (the gradient of the ``iters``-step map).
@@ -74,8 +74,7 @@ def _finish_implicit(R, grad_R, beta, a, inv_r):
     return R * (grad_R - alpha[..., :, None] - beta[..., None, :])
 
 
-def implicit_backward_torch(R: torch.Tensor, grad_R: torch.Tensor, cg_iters: Optional[int] = None, *,
-                            damping: bool = True) -> torch.Tensor:
+def implicit_backward_padded(R: torch.Tensor, grad_R: torch.Tensor, cg_iters: Optional[int] = None) -> torch.Tensor:
     """Implicit gradient by batched conjugate gradient on the column Laplacian.
 
     ``R``, ``grad_R``: ``(..., n, n)``, computed in their dtype. ``cg_iters`` defaults to
@@ -85,7 +84,6 @@ def implicit_backward_torch(R: torch.Tensor, grad_R: torch.Tensor, cg_iters: Opt
     amplifying the rounding noise of ``h`` along them; a matrix stops once its
     residual is at rounding level, and the divisions are guarded for exact
     convergence (a zero residual) instead of being padded with an epsilon.
-    ``damping=False`` drops the shift (to show what it is for).
     """
     n = R.shape[-1]
     iters = 2 * n if cg_iters is None else int(cg_iters)
@@ -94,8 +92,7 @@ def implicit_backward_torch(R: torch.Tensor, grad_R: torch.Tensor, cg_iters: Opt
     # A shift of one rounding unit per column mass: modes of L below rounding level
     # (blocks of columns linked only through negligible entries of R) are damped
     # instead of solved, which would divide rounding noise by their tiny eigenvalue.
-    if damping:
-        degree = degree + torch.finfo(R.dtype).eps * R.sum(-2)
+    degree = degree + torch.finfo(R.dtype).eps * R.sum(-2)
 
     def apply_laplacian(x):
         return degree * x - (W @ x[..., None])[..., 0]
@@ -122,8 +119,8 @@ def implicit_backward_torch(R: torch.Tensor, grad_R: torch.Tensor, cg_iters: Opt
     return _finish_implicit(R, grad_R, beta, a, inv_r)
 
 
-def implicit_backward_eps_cg(R: torch.Tensor, grad_R: torch.Tensor, cg_iters: Optional[int] = None,
-                             eps: float = 1e-6) -> torch.Tensor:
+def implicit_backward_eps_cg_padded(R: torch.Tensor, grad_R: torch.Tensor, cg_iters: Optional[int] = None,
+                                    eps: float = 1e-6) -> torch.Tensor:
     """The published approach, as a comparison point: CG on ``[[I, R], [R^T, I]]`` with an epsilon.
 
     Conjugate gradient on the symmetric ``2n x 2n`` system (in the dtype of ``R``),

@@ -3,21 +3,26 @@
 Every token's matrix is independent, so a program takes a tile of ``BLOCK`` tokens
 (``BLOCK * n * n`` contiguous elements: one wide, coalesced load) and keeps the whole
 tile in registers. Each kernel reads its inputs once and writes its output once: all
-iterations happen on chip. Two families:
+iterations happen on chip. Two layouts (:class:`Layout`):
 
 * tile kernels (any ``n`` up to :data:`MAX_KERNEL_N`): the tile as ``[BLOCK, N, N]``,
   padded to ``N`` the next power of two of ``n``; padded rows and columns hold exact
   zeros and never enter a sum;
-* one-token-per-thread kernels (``n`` in :data:`SMALL_N`): the tile split in registers
-  into ``n * n`` vectors of ``BLOCK`` tokens, so that a thread owns whole matrices
-  (see the section below).
+* one-token-per-thread kernels (``n`` in 2, 4, 8): the tile split in registers into
+  ``n * n`` vectors of ``BLOCK`` tokens, so that a thread owns whole matrices (see the
+  section below).
 
 Launchers (``*_triton``) take contiguous ``(T, n, n)`` tensors of float32, bfloat16,
-float16 (computed in float32) or float64 (computed in float64) and return a new
-tensor of the input's dtype. Validation happens in :mod:`.api`.
+float16 (computed in float32) or float64 (computed in float64) and a configuration
+(:func:`forward_config`, :func:`implicit_backward_config`,
+:func:`unrolled_backward_config`), and return a new tensor of the input's dtype.
+Validation happens in :mod:`.api`.
 """
 from __future__ import annotations
 
+import dataclasses
+import enum
+import functools
 import math
 from typing import Optional
 
@@ -52,8 +57,8 @@ def _load_tile(ptr, offsets, mask, tile_start, num_tokens, n: tl.constexpr, N: t
                BLOCK: tl.constexpr, FLAT: tl.constexpr, COMPUTE: tl.constexpr):
     """The ``[BLOCK, N, N]`` tile, 0 outside ``mask``, converted to ``COMPUTE``.
 
-    ``FLAT`` (only when ``n == N``): load the tile as one ``[BLOCK, n*n]`` contiguous
-    block and reshape it in registers, instead of three-dimensional offsets.
+    ``FLAT`` (``n == N``, a power of two): load the tile as one ``[BLOCK, n*n]``
+    contiguous block and reshape it in registers, instead of three-dimensional offsets.
     """
     if FLAT:
         flat = (tile_start + tl.arange(0, BLOCK))[:, None] * (n * n) + tl.arange(0, N * N)[None, :]
@@ -408,7 +413,7 @@ def _matrices(ptr, first, num_tokens, NN: tl.constexpr, ROWS: tl.constexpr):
     """Pointers and mask of ``ROWS`` matrices from token ``first`` on, one per thread.
 
     The tile's start is a 64-bit scalar and the offsets inside it 32-bit: 64-bit
-    offsets per element cost about 30 registers a thread at ``n = 8``.
+    offsets per element would hold registers that the iterations need.
     """
     rows = tl.arange(0, ROWS)
     ptrs = ptr + first.to(tl.int64) * NN + (rows[:, None] * NN + tl.arange(0, NN)[None, :])
@@ -661,12 +666,7 @@ def _reverse_step(K, dK, du, u_t, u_prev, v_t, dv_out, n: tl.constexpr, LAST: tl
         if LAST:
             acc += dv_out[j]
         dp = dp + (-acc * v_t[j] * v_t[j],)
-    du_prev = ()
-    for i in tl.static_range(n):
-        acc = K[i * n] * dp[0]
-        for j in tl.static_range(1, n):
-            acc += K[i * n + j] * dp[j]
-        du_prev = du_prev + (acc,)
+    du_prev = _row_sums(K, dp, n)
     new_dK = ()
     for k in tl.static_range(NN):
         new_dK = new_dK + (dK[k] + dq[k // n] * v_t[k % n] + u_prev[k // n] * dp[k % n],)
@@ -686,7 +686,7 @@ def _store_dx(out_ptr, offsets, mask, dK, K, NN: tl.constexpr, BLOCK: tl.constex
 def sinkhorn_unrolled_backward_small_kernel(logits_ptr, grad_ptr, out_ptr, num_tokens,
                                             n: tl.constexpr, BITS: tl.constexpr, ITERS: tl.constexpr,
                                             BLOCK: tl.constexpr, FAST: tl.constexpr, COMPUTE: tl.constexpr):
-    """Unrolled backward, one token per thread, for ``n`` = 2, 4 and up to 32 / 24 iterations.
+    """Unrolled backward, one token per thread, for ``n`` = 2, 4 and as many iterations as registers hold.
 
     Reverse mode on the scaling-vector form of the forward (see
     :func:`sinkhorn_forward_small_kernel`): ``p_t = K^T u_{t-1}``, ``v_t = 1/p_t``,
@@ -786,220 +786,283 @@ def _load_vector(ptrs, n: tl.constexpr, BLOCK: tl.constexpr):
 
 
 # ---------------------------------------------------------------------------------------
-# launchers
+# configurations and launchers
+
+
+class Layout(enum.Enum):
+    """How a program holds its tokens."""
+
+    #: a ``[BLOCK, N, N]`` tile spread over the program's threads, ``n`` padded to ``N = 2^k``
+    TILE = "tile"
+    #: whole matrices in one thread's registers (``n`` in 2, 4, 8)
+    TOKEN_PER_THREAD = "token per thread"
+
+
+#: ``n`` the one-token-per-thread kernels are written for
+_TOKEN_PER_THREAD_N = (2, 4, 8)
+#: most elements one launch touches per tensor: the kernels index within a launch with
+#: 32-bit offsets, so the launchers run bigger inputs in slices of whole tokens
+_MAX_LAUNCH_ELEMENTS = 1 << 30
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class LaunchConfig:
+    """What the configuration of every kernel family holds."""
+
+    layout: Layout
+    #: tokens per program
+    block: int
+    num_warps: int
+    #: most elements of a tensor one launch takes (beyond: slices of whole tokens)
+    max_launch_elements: int = _MAX_LAUNCH_ELEMENTS
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ForwardConfig(LaunchConfig):
+    """How :func:`sinkhorn_forward_triton` runs (chosen by :func:`forward_config`)."""
+
+    #: ``TOKEN_PER_THREAD``: two tokens a thread, the second half an iteration behind
+    staggered: bool
+    #: ``staggered``: pairs of sums per half-step that share one reciprocal
+    reciprocal_pairs: int
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ImplicitBackwardConfig(LaunchConfig):
+    """How :func:`sinkhorn_implicit_backward_triton` runs (chosen by :func:`implicit_backward_config`)."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class UnrolledBackwardConfig(LaunchConfig):
+    """How :func:`sinkhorn_unrolled_backward_triton` runs (chosen by :func:`unrolled_backward_config`)."""
+
+    #: ``TOKEN_PER_THREAD``: the ``u_t`` of every iteration in a per-program scratch buffer
+    #: (run-time loops) instead of registers (iterations unrolled at compile time)
+    scratch: bool
+    #: registers per thread the compiler may use (``None``: its own choice)
+    max_registers: Optional[int]
+    #: ``scratch`` on a GPU: programs per SM, each looping over tiles
+    scratch_programs_per_sm: int
+
+
+def _layout(n: int, layout: Optional[Layout], token_per_thread_possible: bool = True) -> Layout:
+    """``layout``, or the default for ``n``: one token per thread wherever its kernel exists."""
+    possible = token_per_thread_possible and n in _TOKEN_PER_THREAD_N
+    if layout is None:
+        return Layout.TOKEN_PER_THREAD if possible else Layout.TILE
+    if layout is Layout.TOKEN_PER_THREAD and not possible:
+        solve = "" if token_per_thread_possible else " and solve directly (cg_iters None)"
+        raise ValueError(f"layout must be Layout.TILE: the one-token-per-thread kernels take n in "
+                         f"{_TOKEN_PER_THREAD_N}{solve}; got n = {n}")
+    return layout
+
+
+def _tile_block(N: int, elements_per_program: int) -> int:
+    return max(1, elements_per_program // (N * N))
+
+
+def _tile_warps(block: int, N: int) -> int:
+    return 4 if block * N * N <= 2048 else 8
+
+
+def _token_per_thread_block(n: int, dtype: torch.dtype) -> int:
+    # one token per thread (block // 32 warps); fewer tokens where a token needs many registers
+    return 128 if n <= 4 and dtype != torch.float64 else 64
+
+
+@functools.lru_cache(maxsize=None)
+def forward_config(n: int, dtype: torch.dtype, *, layout: Optional[Layout] = None) -> ForwardConfig:
+    """The forward's configuration for ``n x n`` matrices of ``dtype`` (``layout``: force one)."""
+    layout = _layout(n, layout)
+    if layout is Layout.TILE:
+        N = runtime.next_power_of_2(n)
+        block = _tile_block(N, 2048)
+        return ForwardConfig(layout=layout, block=block, num_warps=_tile_warps(block, N), staggered=False,
+                             reciprocal_pairs=0)
+    # at n = 8 a thread's registers hold one token only
+    staggered = n in (2, 4)
+    block = _token_per_thread_block(n, dtype)
+    threads = block // 2 if staggered else block
+    # shared reciprocals below float64 only (where the fast reciprocal is the alternative)
+    pairs = 1 if staggered and dtype != torch.float64 else 0
+    return ForwardConfig(layout=layout, block=block, num_warps=max(1, threads // 32), staggered=staggered,
+                         reciprocal_pairs=pairs)
+
+
+@functools.lru_cache(maxsize=None)
+def implicit_backward_config(n: int, dtype: torch.dtype, conjugate_gradient: bool, *,
+                             layout: Optional[Layout] = None) -> ImplicitBackwardConfig:
+    """The implicit backward's configuration (the one-token-per-thread kernel solves directly only)."""
+    layout = _layout(n, layout, token_per_thread_possible=not conjugate_gradient)
+    if layout is Layout.TILE:
+        N = runtime.next_power_of_2(n)
+        block = _tile_block(N, 1024)
+        return ImplicitBackwardConfig(layout=layout, block=block, num_warps=_tile_warps(block, N))
+    block = _token_per_thread_block(n, dtype)
+    return ImplicitBackwardConfig(layout=layout, block=block, num_warps=max(1, block // 32))
+
+
+@functools.lru_cache(maxsize=None)
+def unrolled_backward_config(n: int, dtype: torch.dtype, iters: int, *,
+                             layout: Optional[Layout] = None) -> UnrolledBackwardConfig:
+    """The unrolled backward's configuration for ``iters`` iterations."""
+    layout = _layout(n, layout)
+    if layout is Layout.TILE:
+        N = runtime.next_power_of_2(n)
+        block = _tile_block(N, 512)
+        return UnrolledBackwardConfig(layout=layout, block=block, num_warps=_tile_warps(block, N), scratch=False,
+                                      max_registers=None, scratch_programs_per_sm=0)
+    # most iterations whose scaling vectors the registers hold, per n
+    scratch = iters > {2: 32, 4: 24, 8: 0}[n]
+    block = _token_per_thread_block(n, dtype)
+    max_registers = None
+    if n == 4 and not scratch and dtype != torch.float64:
+        # a register cap trades a few spills (which stay in cache) for more warps per SM
+        block, max_registers = 64, 168
+    return UnrolledBackwardConfig(layout=layout, block=block, num_warps=max(1, block // 32), scratch=scratch,
+                                  max_registers=max_registers, scratch_programs_per_sm=8 if scratch else 0)
 
 
 def _compute_dtype(dtype: torch.dtype):
     return tl.float64 if dtype == torch.float64 else tl.float32
 
 
-def _block_tokens(N: int, elements_per_program: int) -> int:
-    return max(1, elements_per_program // (N * N))
-
-
-def _pow2(n: int) -> int:
-    return 1 << max(0, (n - 1).bit_length())
-
-
-def _warps(BLOCK: int, N: int) -> int:
-    return 4 if BLOCK * N * N <= 2048 else 8
-
-
-def _flat(n: int, N: int, flat) -> bool:
-    return (n == N) if flat is None else bool(flat) and n == N
-
-
-#: n handled by the one-token-per-thread kernels
-SMALL_N = (2, 4, 8)
-
-
-def _small_block(n: int, dtype: torch.dtype) -> int:
-    # one token per thread (BLOCK // 32 warps); fewer tokens where a token needs many registers
-    return 128 if n <= 4 and dtype != torch.float64 else 64
-
-
 def _fast(dtype: torch.dtype) -> bool:
     return dtype != torch.float64 and not runtime.INTERPRETED
 
 
-#: most elements one launch touches per tensor: the kernels index within a launch with
-#: 32-bit offsets, so the launchers run bigger inputs in slices of whole tokens
-MAX_LAUNCH_ELEMENTS = 1 << 30
-
-
-def _token_slices(T: int, n: int):
-    """Slices of at most :data:`MAX_LAUNCH_ELEMENTS` elements, starting at multiples of
+def _token_slices(T: int, n: int, max_launch_elements: int):
+    """Slices of at most ``max_launch_elements`` elements, starting at multiples of
     128 tokens: the kernels' tiles then fall where one launch would put them (a tile
     decides whether it shares reciprocals), and every slice keeps 16-byte alignment."""
-    per = max(128, MAX_LAUNCH_ELEMENTS // (n * n) // 128 * 128)
+    per = max(128, max_launch_elements // (n * n) // 128 * 128)
     return [slice(start, min(T, start + per)) for start in range(0, T, per)]
 
 
-def _sliced(launcher, tensors, *args, **kwargs) -> torch.Tensor:
-    """``launcher`` over :func:`_token_slices` of ``tensors`` (same first dimension)."""
+def _launch_in_slices(launch, tensors, *arguments) -> torch.Tensor:
+    """A new output like ``tensors[0]``, written by ``launch(out, *tensors, *arguments)`` on
+    each of :func:`_token_slices` (none for no tokens); the last argument is the configuration."""
     T, n, _ = tensors[0].shape
     out = torch.empty_like(tensors[0])
-    for part in _token_slices(T, n):
-        out[part] = launcher(*(t[part] for t in tensors), *args, **kwargs)
+    for part in _token_slices(T, n, arguments[-1].max_launch_elements):
+        launch(out[part], *(t[part] for t in tensors), *arguments)
     return out
 
 
-#: n whose forward takes two tokens per thread, half an iteration apart (at n = 8 a
-#: thread's registers hold one token; H200, 2026-12-01: 0.21 ms one token per thread,
-#: 0.30 ms two); and pairs of sums per half-step sharing a reciprocal there (below float64)
-STAGGERED_N = (2, 4)
-FORWARD_PAIRS = {2: 1, 4: 1}
+def _bits(n: int) -> int:
+    """``log2`` of the ``N * N`` register columns a one-token-per-thread kernel splits a tile into."""
+    return 2 * (runtime.next_power_of_2(n).bit_length() - 1)
 
 
 @runtime.on_inputs_device
-def sinkhorn_forward_triton(logits: torch.Tensor, iters: int, *, block: int = 0, num_warps: int = 0,
-                            flat=None, tile: bool = False, pairs: Optional[int] = None) -> torch.Tensor:
-    """``(T, n, n)`` contiguous logits -> ``(T, n, n)`` doubly stochastic (approximately) ``R``.
+def sinkhorn_forward_triton(logits: torch.Tensor, iters: int, config: ForwardConfig) -> torch.Tensor:
+    """``(T, n, n)`` contiguous logits -> ``(T, n, n)`` doubly stochastic (approximately) ``R``."""
+    return _launch_in_slices(_launch_forward, (logits,), iters, config)
 
-    ``n`` in :data:`SMALL_N` uses the one-token-per-thread kernel unless ``tile``;
-    ``pairs`` overrides :data:`FORWARD_PAIRS` (``n`` in :data:`STAGGERED_N`).
-    """
+
+def _launch_forward(out, logits, iters, config: ForwardConfig):
     T, n, _ = logits.shape
-    if T * n * n > MAX_LAUNCH_ELEMENTS:
-        return _sliced(sinkhorn_forward_triton, (logits,), iters, block=block, num_warps=num_warps, flat=flat,
-                       tile=tile, pairs=pairs)
-    out = torch.empty_like(logits)
-    if T == 0:
-        return out
-    N = _pow2(n)
-    if n in SMALL_N and not tile:
-        stagger = n in STAGGERED_N
-        if pairs is None:
-            pairs = FORWARD_PAIRS.get(n, 0) if logits.dtype != torch.float64 else 0
-        BLOCK = block or _small_block(n, logits.dtype)
-        grid = (runtime.cdiv(T, BLOCK),)
-        threads = BLOCK // 2 if stagger else BLOCK
-        sinkhorn_forward_small_kernel[grid](logits, out, T, iters, n=n, BITS=2 * (N.bit_length() - 1),
-                                            BLOCK=BLOCK, FAST=_fast(logits.dtype),
-                                            COMPUTE=_compute_dtype(logits.dtype), STAGGER=stagger,
-                                            PAIRS=pairs if stagger else 0,
-                                            num_warps=num_warps or max(1, threads // 32))
-        return out
-    BLOCK = block or _block_tokens(N, 2048)
-    grid = (runtime.cdiv(T, BLOCK),)
-    sinkhorn_forward_kernel[grid](logits, out, T, iters, n=n, N=N, BLOCK=BLOCK, FLAT=_flat(n, N, flat),
+    grid = (runtime.cdiv(T, config.block),)
+    if config.layout is Layout.TOKEN_PER_THREAD:
+        sinkhorn_forward_small_kernel[grid](logits, out, T, iters, n=n, BITS=_bits(n),
+                                            BLOCK=config.block, FAST=_fast(logits.dtype),
+                                            COMPUTE=_compute_dtype(logits.dtype), STAGGER=config.staggered,
+                                            PAIRS=config.reciprocal_pairs, num_warps=config.num_warps)
+        return
+    N = runtime.next_power_of_2(n)
+    sinkhorn_forward_kernel[grid](logits, out, T, iters, n=n, N=N, BLOCK=config.block, FLAT=n == N,
                                   FAST=_fast(logits.dtype),
                                   COMPUTE=_compute_dtype(logits.dtype),
-                                  num_warps=num_warps or _warps(BLOCK, N))
-    return out
+                                  num_warps=config.num_warps)
 
 
-def segments(iters: int):
+def checkpoint_segments(iters: int):
     """``(seg_len, num_segs, SEG, SEGS)``: checkpoint segments minimising registers per token."""
     best = None
     seg_len = 1
     while True:
         num_segs = math.ceil(iters / seg_len)
-        cost = _pow2(num_segs) * 4 + 2 * seg_len  # checkpoint matrices weigh more than sums
+        cost = runtime.next_power_of_2(num_segs) * 4 + 2 * seg_len  # checkpoint matrices weigh more than sums
         if best is None or cost < best[0]:
             best = (cost, seg_len, num_segs)
         if seg_len >= iters:
             break
         seg_len *= 2
     _, seg_len, num_segs = best
-    return seg_len, num_segs, seg_len, _pow2(num_segs)
+    return seg_len, num_segs, seg_len, runtime.next_power_of_2(num_segs)
 
 
-#: most iterations the unrolled one-token-per-thread backward keeps in registers, per n;
-#: beyond, :func:`sinkhorn_unrolled_backward_scratch_kernel` keeps them in a scratch buffer
-SMALL_MAX_ITERS = {2: 32, 4: 24, 8: 0}
-#: register cap and tokens per program of the unrolled backward at n = 4, below float64:
-#: 168 registers (a few spills) let 12 warps share an SM instead of 8 (H200, 4M tokens,
-#: 20 iterations: 0.62 ms against 0.72 ms)
-UNROLLED_MAXNREG = {4: 168}
-UNROLLED_BLOCK = {4: 64}
+#: programs of the scratch variant under the interpreter, which runs them one after another
+_INTERPRETED_SCRATCH_PROGRAMS = 4
 
 
 @runtime.on_inputs_device
-def sinkhorn_unrolled_backward_triton(logits: torch.Tensor, grad_R: torch.Tensor, iters: int, *,
-                                      block: int = 0, num_warps: int = 0, flat=None,
-                                      tile: bool = False, maxnreg: Optional[int] = None) -> torch.Tensor:
+def sinkhorn_unrolled_backward_triton(logits: torch.Tensor, grad_R: torch.Tensor, iters: int,
+                                      config: UnrolledBackwardConfig) -> torch.Tensor:
     """``(T, n, n)`` logits and ``dL/dR`` -> ``dL/dlogits`` of the ``iters``-step map."""
+    return _launch_in_slices(_launch_unrolled_backward, (logits, grad_R), iters, config)
+
+
+def _launch_unrolled_backward(out, logits, grad_R, iters, config: UnrolledBackwardConfig):
     T, n, _ = logits.shape
-    if T * n * n > MAX_LAUNCH_ELEMENTS:
-        return _sliced(sinkhorn_unrolled_backward_triton, (logits, grad_R), iters, block=block,
-                       num_warps=num_warps, flat=flat, tile=tile, maxnreg=maxnreg)
-    out = torch.empty_like(logits)
-    if T == 0:
-        return out
-    N = _pow2(n)
-    if n in SMALL_N and iters > SMALL_MAX_ITERS[n] and not tile:
-        return _unrolled_backward_scratch(logits, grad_R, iters, out, block, num_warps)
-    if n in SMALL_N and iters <= SMALL_MAX_ITERS[n] and not tile:
-        tuned = logits.dtype != torch.float64  # the settings measured below float64 only
-        if maxnreg is None and tuned:
-            maxnreg = UNROLLED_MAXNREG.get(n)
-        BLOCK = block or (tuned and UNROLLED_BLOCK.get(n)) or _small_block(n, logits.dtype)
-        grid = (runtime.cdiv(T, BLOCK),)
-        sinkhorn_unrolled_backward_small_kernel[grid](logits, grad_R, out, T, n=n, BITS=2 * (N.bit_length() - 1),
-                                                      ITERS=iters, BLOCK=BLOCK, FAST=_fast(logits.dtype),
+    if config.layout is Layout.TOKEN_PER_THREAD and config.scratch:
+        _launch_unrolled_backward_scratch(out, logits, grad_R, iters, config)
+        return
+    grid = (runtime.cdiv(T, config.block),)
+    if config.layout is Layout.TOKEN_PER_THREAD:
+        sinkhorn_unrolled_backward_small_kernel[grid](logits, grad_R, out, T, n=n, BITS=_bits(n),
+                                                      ITERS=iters, BLOCK=config.block, FAST=_fast(logits.dtype),
                                                       COMPUTE=_compute_dtype(logits.dtype),
-                                                      num_warps=num_warps or max(1, BLOCK // 32),
-                                                      **runtime.register_cap(maxnreg))
-        return out
-    seg_len, num_segs, SEG, SEGS = segments(iters)
-    BLOCK = block or _block_tokens(N, 512)
-    grid = (runtime.cdiv(T, BLOCK),)
+                                                      num_warps=config.num_warps,
+                                                      **runtime.register_cap(config.max_registers))
+        return
+    N = runtime.next_power_of_2(n)
+    seg_len, num_segs, SEG, SEGS = checkpoint_segments(iters)
     sinkhorn_unrolled_backward_kernel[grid](logits, grad_R, out, T, iters, seg_len, num_segs,
-                                            n=n, N=N, BLOCK=BLOCK, SEGS=SEGS, SEG=SEG, FLAT=_flat(n, N, flat),
+                                            n=n, N=N, BLOCK=config.block, SEGS=SEGS, SEG=SEG, FLAT=n == N,
                                             FAST=_fast(logits.dtype),
                                             COMPUTE=_compute_dtype(logits.dtype),
-                                            num_warps=num_warps or _warps(BLOCK, N))
-    return out
+                                            num_warps=config.num_warps)
 
 
-#: programs per SM of the scratch variant of the unrolled backward (they loop over tiles)
-SCRATCH_PROGRAMS_PER_SM = 8
-
-
-def _unrolled_backward_scratch(logits, grad_R, iters, out, block, num_warps):
+def _launch_unrolled_backward_scratch(out, logits, grad_R, iters, config: UnrolledBackwardConfig):
     T, n, _ = logits.shape
-    BLOCK = block or _small_block(n, logits.dtype)
+    BLOCK = config.block
     num_tiles = runtime.cdiv(T, BLOCK)
     if runtime.INTERPRETED or logits.device.type != "cuda":
-        programs = min(num_tiles, 4)
+        programs = min(num_tiles, _INTERPRETED_SCRATCH_PROGRAMS)
     else:
-        programs = min(num_tiles, runtime.sm_count(logits.device) * SCRATCH_PROGRAMS_PER_SM)
+        programs = min(num_tiles, runtime.sm_count(logits.device) * config.scratch_programs_per_sm)
     compute = torch.float64 if logits.dtype == torch.float64 else torch.float32
     scratch = torch.empty((programs, iters + 1, n, BLOCK), dtype=compute, device=logits.device)
     sinkhorn_unrolled_backward_scratch_kernel[(programs,)](
-        logits, grad_R, out, scratch, T, iters, num_tiles, n=n, BITS=2 * (_pow2(n).bit_length() - 1),
+        logits, grad_R, out, scratch, T, iters, num_tiles, n=n, BITS=_bits(n),
         BLOCK=BLOCK, FAST=_fast(logits.dtype), COMPUTE=_compute_dtype(logits.dtype),
-        num_warps=num_warps or max(1, BLOCK // 32))
-    return out
+        num_warps=config.num_warps)
 
 
 @runtime.on_inputs_device
-def sinkhorn_implicit_backward_triton(R: torch.Tensor, grad_R: torch.Tensor, cg_iters=None, *,
-                                      block: int = 0, num_warps: int = 0, flat=None, tile: bool = False) -> torch.Tensor:
+def sinkhorn_implicit_backward_triton(R: torch.Tensor, grad_R: torch.Tensor, cg_iters: Optional[int],
+                                      config: ImplicitBackwardConfig) -> torch.Tensor:
     """``(T, n, n)`` ``R`` and ``dL/dR`` -> implicit ``dL/dlogits`` (direct solve, or CG if ``cg_iters``)."""
+    if config.layout is Layout.TOKEN_PER_THREAD and cg_iters is not None:
+        raise ValueError("the one-token-per-thread implicit backward solves directly: cg_iters must be None")
+    return _launch_in_slices(_launch_implicit_backward, (R, grad_R), cg_iters, config)
+
+
+def _launch_implicit_backward(out, R, grad_R, cg_iters, config: ImplicitBackwardConfig):
     T, n, _ = R.shape
-    if T * n * n > MAX_LAUNCH_ELEMENTS:
-        return _sliced(sinkhorn_implicit_backward_triton, (R, grad_R), cg_iters, block=block,
-                       num_warps=num_warps, flat=flat, tile=tile)
-    out = torch.empty_like(R)
-    if T == 0:
-        return out
-    N = _pow2(n)
     eps = torch.finfo(torch.float64 if R.dtype == torch.float64 else torch.float32).eps
-    if n in SMALL_N and cg_iters is None and not tile:
-        BLOCK = block or _small_block(n, R.dtype)
-        grid = (runtime.cdiv(T, BLOCK),)
-        sinkhorn_implicit_backward_small_kernel[grid](R, grad_R, out, T, eps, n=n, BITS=2 * (N.bit_length() - 1),
-                                                      BLOCK=BLOCK, COMPUTE=_compute_dtype(R.dtype),
-                                                      num_warps=num_warps or max(1, BLOCK // 32))
-        return out
-    BLOCK = block or _block_tokens(N, 1024)
-    grid = (runtime.cdiv(T, BLOCK),)
+    grid = (runtime.cdiv(T, config.block),)
+    if config.layout is Layout.TOKEN_PER_THREAD:
+        sinkhorn_implicit_backward_small_kernel[grid](R, grad_R, out, T, eps, n=n, BITS=_bits(n),
+                                                      BLOCK=config.block, COMPUTE=_compute_dtype(R.dtype),
+                                                      num_warps=config.num_warps)
+        return
+    N = runtime.next_power_of_2(n)
     sinkhorn_implicit_backward_kernel[grid](R, grad_R, out, T, 0 if cg_iters is None else int(cg_iters),
                                             (n * eps) ** 2, eps,
-                                            n=n, N=N, BLOCK=BLOCK, USE_CG=cg_iters is not None,
-                                            FLAT=_flat(n, N, flat),
+                                            n=n, N=N, BLOCK=config.block, USE_CG=cg_iters is not None,
+                                            FLAT=n == N,
                                             COMPUTE=_compute_dtype(R.dtype),
-                                            num_warps=num_warps or _warps(BLOCK, N))
-    return out
+                                            num_warps=config.num_warps)
