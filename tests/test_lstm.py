@@ -1,19 +1,43 @@
 """PersistentLSTM and its stages against torch.nn.LSTM, on padded and packed batches."""
+import enum
 import warnings
 
 import numpy as np
 import pytest
 import torch
+from torch.fx.experimental.proxy_tensor import make_fx
 from torch.nn.utils.rnn import pack_padded_sequence, pad_packed_sequence
 
 from packed_kernels import Packed, PersistentLSTM, pack, runtime, unpack
+from packed_kernels.ops.lstm.api import _config_as_ints, lstm_recurrence_op
 from packed_kernels.ops.lstm.naive_numpy import lstm_layer_numpy
-from packed_kernels.ops.lstm.padded_torch import lstm_weights, padded_lstm
-from packed_kernels.ops.lstm.triton_kernels import RecurrenceConfig, choose_config, input_projection
+from packed_kernels.ops.lstm.padded_torch import lstm_padded, lstm_weights
+from packed_kernels.ops.lstm.triton_kernels import (
+    RecurrenceConfig,
+    RecurrentProduct,
+    StepWait,
+    choose_config,
+    input_projection_triton,
+)
 
 from assertions import assert_close
 
 ATOL = RTOL = 1e-5
+
+ROW_SUMS, TENSOR_CORES, FOUR_GATES = RecurrentProduct.ROW_SUMS, RecurrentProduct.TENSOR_CORES, RecurrentProduct.FOUR_GATES
+CTA_BARRIER, STEP_COUNTER = StepWait.CTA_BARRIER, StepWait.STEP_COUNTER
+TAGGED_WORDS, TAGGED_WORDS_PTX = StepWait.TAGGED_WORDS, StepWait.TAGGED_WORDS_PTX
+
+
+def _param_id(value):
+    return value.name if isinstance(value, enum.Enum) else str(value)
+
+
+def config_with_gate_default(**fields) -> RecurrenceConfig:
+    """A configuration with ``fast_math`` where :func:`choose_config` puts it unless given:
+    on for the CUDA-core products, off for the tensor cores."""
+    fields.setdefault("fast_math", fields["product"] != TENSOR_CORES)
+    return RecurrenceConfig(**fields)
 
 
 def make_lstm(input_size, hidden_size, num_layers=1, bidirectional=False, bias=True, batch_first=True,
@@ -89,7 +113,7 @@ def test_padded_stage_matches_nn_lstm(num_layers, bidirectional, bias):
     hx = (torch.randn(state_shape, dtype=torch.float64), torch.randn(state_shape, dtype=torch.float64))
     with torch.no_grad():
         ref, (h_ref, c_ref) = lstm(x, hx)
-        y, (h, c) = padded_lstm(x, lstm_weights(lstm), None, *hx)
+        y, (h, c) = lstm_padded(x, lstm_weights(lstm), None, *hx)
     assert_close("y", y, ref, atol=1e-12, rtol=1e-12)
     assert_close("h_n", h, h_ref, atol=1e-12, rtol=1e-12)
     assert_close("c_n", c, c_ref, atol=1e-12, rtol=1e-12)
@@ -101,7 +125,7 @@ def test_padded_stage_with_lengths_matches_packed_sequence():
     x = torch.randn(4, 7, 4, dtype=torch.float64)
     with torch.no_grad():
         ref, (h_ref, c_ref) = packed_reference(lstm, x, lengths)
-        y, (h, c) = padded_lstm(x, lstm_weights(lstm), lengths)
+        y, (h, c) = lstm_padded(x, lstm_weights(lstm), lengths)
     assert_close("y", pack(y, lengths).data, ref, atol=1e-12, rtol=1e-12)
     assert torch.all(unpack(pack(y, lengths), 7) == y), "padding frames must be zero"
     assert_close("h_n", h, h_ref, atol=1e-12, rtol=1e-12)
@@ -218,7 +242,7 @@ def test_persistent_packed_zero_length_and_empty(device):
     hx = (torch.randn(4, 3, 8, device=device), torch.randn(4, 3, 8, device=device))
     with torch.no_grad():
         out, (h, c) = model(pack(padded, lengths), hx)
-        ref, (h_ref, c_ref) = padded_lstm(padded, lstm_weights(lstm), lengths, *hx)
+        ref, (h_ref, c_ref) = lstm_padded(padded, lstm_weights(lstm), lengths, *hx)
     assert_close("y", out.data, pack(ref, lengths).data, atol=ATOL, rtol=RTOL)
     assert_close("h_n", h, h_ref, atol=ATOL, rtol=RTOL)
     assert torch.equal(h[:, 1], hx[0][:, 1]) and torch.equal(c[:, 1], hx[1][:, 1]), "empty sequence keeps its state"
@@ -232,20 +256,23 @@ def test_persistent_packed_zero_length_and_empty(device):
 # The kernel's configurations that the interpreter can run
 
 
-@pytest.mark.parametrize("matvec,block_b,prefetch,l2_prefetch,sub_tiles",
-                         [(0, 2, 1, None, 1), (1, 4, 2, None, 1), (2, 1, 1, None, 1), (2, 8, 2, None, 1),
-                          (3, 16, 2, None, 1), (4, 1, 2, None, 1), (4, 4, 1, None, 1),
+@pytest.mark.parametrize("product,rows_per_tile,prefetch_steps,l2_prefetch_steps,tiles_per_program",
+                         [(ROW_SUMS, 2, 1, 0, 1), (TENSOR_CORES, 16, 2, 0, 1), (FOUR_GATES, 1, 2, 0, 1),
+                          (FOUR_GATES, 4, 1, 0, 1),
                           # L2 prefetch of later steps' inputs (GPU only: ignored by the interpreter)
-                          (4, 1, 2, 8, 1), (0, 2, 1, 3, 1),
+                          (FOUR_GATES, 1, 2, 8, 1), (ROW_SUMS, 2, 1, 3, 1),
                           # several tiles per program, one after another
-                          (4, 1, 2, None, 2), (4, 1, 1, None, 4), (0, 2, 2, None, 3), (3, 16, 1, None, 2)],
-                         ids=lambda v: str(v))
-def test_single_program_configurations(device, matvec, block_b, prefetch, l2_prefetch, sub_tiles):
+                          (FOUR_GATES, 1, 2, 0, 2), (FOUR_GATES, 1, 1, 0, 4), (ROW_SUMS, 2, 2, 0, 3),
+                          (TENSOR_CORES, 16, 1, 0, 2)],
+                         ids=_param_id)
+def test_single_program_configurations(device, product, rows_per_tile, prefetch_steps, l2_prefetch_steps,
+                                       tiles_per_program):
     lstm = make_lstm(5, 24, 1, True, device=device)
     lengths = torch.tensor([6, 2, 5], device=device)
     padded = torch.randn(3, 6, 5, device=device)
-    config = RecurrenceConfig(1, block_b, matvec, 0, 4, prefetch=prefetch, l2_prefetch=l2_prefetch,
-                              sub_tiles=sub_tiles)
+    config = config_with_gate_default(
+        programs_per_tile=1, rows_per_tile=rows_per_tile, product=product, wait=CTA_BARRIER, num_warps=4,
+        prefetch_steps=prefetch_steps, l2_prefetch_steps=l2_prefetch_steps, tiles_per_program=tiles_per_program)
     with torch.no_grad():
         assert_runs_match(PersistentLSTM.from_torch(lstm, config), lstm, padded, lengths, 1)
 
@@ -260,7 +287,7 @@ def test_input_projection_matches_float64(device, M, K, N, bias, row_stride):
     x = torch.randn(M, max(row_stride, K), generator=g).to(device)[:, :K]  # row stride >= K, unit columns
     w = torch.randn(N, K, generator=g).to(device)
     b = torch.randn(N, generator=g).to(device) if bias else None
-    y = input_projection(x, w, b)
+    y = input_projection_triton(x, w, b)
     ref = x.double() @ w.double().T + (b.double() if bias else 0)
     fp32 = x @ w.T + (b if bias else 0)
     assert y.shape == (M, N) and y.dtype == torch.float32
@@ -272,28 +299,39 @@ def test_input_projection_matches_float64(device, M, K, N, bias, row_stride):
 def test_configuration_checks(device):
     lstm = make_lstm(3, 16, 1, False, device=device)
     x = torch.randn(2, 3, 3, device=device)
-    with torch.no_grad():
-        with pytest.raises(ValueError, match="block_b < 16"):
-            PersistentLSTM.from_torch(lstm, RecurrenceConfig(1, 16, 2, 0))(x)
-        with pytest.raises(ValueError, match="matvec=4 needs block_b < 16"):
-            PersistentLSTM.from_torch(lstm, RecurrenceConfig(1, 16, 4, 0))(x)
-        with pytest.raises(ValueError, match="needs sync 1"):
-            PersistentLSTM.from_torch(lstm, RecurrenceConfig(2, 2, 0, 0))(x)
-        with pytest.raises(ValueError, match="needs sync 0 or 1"):
-            PersistentLSTM.from_torch(lstm, RecurrenceConfig(1, 2, 0, 2))(x)
-        with pytest.raises(ValueError, match="needs sync 1, 2 or 3"):
-            PersistentLSTM.from_torch(lstm, RecurrenceConfig(2, 2, 0, 4))(x)
-        with pytest.raises(ValueError, match="sync 3 takes at most 3 sub_tiles"):
-            PersistentLSTM.from_torch(lstm, RecurrenceConfig(2, 2, 4, 3, sub_tiles=4))(x)
-        with pytest.raises(ValueError, match="must divide"):
-            PersistentLSTM.from_torch(lstm, RecurrenceConfig(3, 2, 0, 1))(x)
-        with pytest.raises(ValueError, match="l2_prefetch"):
-            PersistentLSTM.from_torch(lstm, RecurrenceConfig(1, 2, 0, 0, l2_prefetch=-1))(x)
-        with pytest.raises(ValueError, match="sub_tiles"):
-            PersistentLSTM.from_torch(lstm, RecurrenceConfig(1, 2, 0, 0, sub_tiles=0))(x)
-    config = choose_config(37, 128, 2, torch.device(device))
+    single = dict(programs_per_tile=1, rows_per_tile=2, product=ROW_SUMS, wait=CTA_BARRIER)
+    with pytest.raises(TypeError):
+        RecurrenceConfig(1, 2, ROW_SUMS, CTA_BARRIER)  # keyword-only
+    with pytest.raises(ValueError, match="FOUR_GATES needs rows_per_tile < 16"):
+        RecurrenceConfig(**dict(single, rows_per_tile=16, product=FOUR_GATES))
+    with pytest.raises(ValueError, match="programs_per_tile=2 needs wait STEP_COUNTER, TAGGED_WORDS or TAGGED_WORDS_PTX"):
+        RecurrenceConfig(**dict(single, programs_per_tile=2))
+    with pytest.raises(ValueError, match="programs_per_tile=1 needs wait CTA_BARRIER"):
+        RecurrenceConfig(**dict(single, wait=TAGGED_WORDS))
+    with pytest.raises(TypeError, match="wait must be a StepWait"):
+        RecurrenceConfig(**dict(single, programs_per_tile=2, wait=4))
+    with pytest.raises(TypeError, match="product must be a RecurrentProduct"):
+        RecurrenceConfig(**dict(single, product=0))
+    with pytest.raises(ValueError, match="TAGGED_WORDS_PTX takes at most 3 tiles_per_program"):
+        RecurrenceConfig(**dict(single, programs_per_tile=2, product=FOUR_GATES, wait=TAGGED_WORDS_PTX,
+                                tiles_per_program=4))
+    with pytest.raises(ValueError, match="l2_prefetch_steps"):
+        RecurrenceConfig(**single, l2_prefetch_steps=-1)
+    with pytest.raises(ValueError, match="tiles_per_program"):
+        RecurrenceConfig(**single, tiles_per_program=0)
+    with pytest.raises(ValueError, match="rows_per_tile must be a power of two"):
+        RecurrenceConfig(**dict(single, rows_per_tile=3))
+    with pytest.raises(ValueError, match="prefetch_steps"):
+        RecurrenceConfig(**single, prefetch_steps=3)
+    with pytest.raises(TypeError, match="fast_math"):
+        RecurrenceConfig(**single, fast_math=1)
+    with pytest.raises(TypeError, match="config must be a RecurrenceConfig"):
+        PersistentLSTM.from_torch(lstm, dict(single))
+    with torch.no_grad(), pytest.raises(ValueError, match="must divide"):
+        PersistentLSTM.from_torch(lstm, RecurrenceConfig(**dict(single, programs_per_tile=3, wait=STEP_COUNTER)))(x)
+    config = choose_config(37, 128, 2, torch.device(device), frames=37 * 20)
     if runtime.INTERPRETED:
-        assert config.programs_per_tile == 1 and config.sync == 0
+        assert config.programs_per_tile == 1 and config.wait == CTA_BARRIER and config.product == ROW_SUMS
 
 
 # ----------------------------------------------------------------------------------------
@@ -336,6 +374,66 @@ def test_autograd_fallback_packed_and_no_warning_under_no_grad(device):
 
 
 # ----------------------------------------------------------------------------------------
+# Traced calls: each layer's recurrence is one opaque custom op
+
+
+def _recurrence_calls(graph) -> int:
+    return sum(node.target is torch.ops.packed_kernels.lstm_recurrence.default for node in graph.nodes)
+
+
+def test_traced_call_runs_the_custom_op(device):
+    """Under a dispatch mode (here make_fx's tracing) each layer is one
+    ``packed_kernels::lstm_recurrence``, and the traced graph computes the same."""
+    lstm = make_lstm(4, 9, 2, True, device=device)
+    model = PersistentLSTM.from_torch(lstm)
+    lengths = torch.tensor([5, 2, 4], device=device)
+    padded = torch.randn(3, 5, 4, device=device)
+    with torch.no_grad():
+        traced = make_fx(lambda x, lengths: model(x, lengths=lengths))(padded, lengths)
+        assert _recurrence_calls(traced.graph) == 2
+        y, (h, c) = traced(padded, lengths)
+        ref, (h_ref, c_ref) = packed_reference(lstm, padded, lengths)
+    assert_close("y", pack(y, lengths).data, ref, atol=ATOL, rtol=RTOL)
+    assert_close("h_n", h, h_ref, atol=ATOL, rtol=RTOL)
+    assert_close("c_n", c, c_ref, atol=ATOL, rtol=RTOL)
+
+
+def test_compiled_call_is_one_graph(device):
+    """``torch.compile(fullgraph=True)`` traces the whole call, the recurrences as custom ops
+    (Dynamo steps into a module holding an ``nn.LSTM`` only with ``allow_rnn``)."""
+    lstm = make_lstm(3, 8, 2, True, device=device)
+    model = PersistentLSTM.from_torch(lstm)
+    x = torch.randn(2, 4, 3, device=device)
+    graphs = []
+
+    def backend(graph_module, example_inputs):
+        graphs.append(graph_module)
+        return graph_module.forward
+
+    with torch.no_grad(), torch._dynamo.config.patch(allow_rnn=True):
+        y, (h, c) = torch.compile(model, backend=backend, fullgraph=True)(x)
+        ref, (h_ref, c_ref) = lstm(x)
+    assert len(graphs) == 1 and _recurrence_calls(graphs[0].graph) == 2
+    assert_close("y", y, ref, atol=ATOL, rtol=RTOL)
+    assert_close("h_n", h, h_ref, atol=ATOL, rtol=RTOL)
+    assert_close("c_n", c, c_ref, atol=ATOL, rtol=RTOL)
+
+
+def test_recurrence_op_schema_and_fake(device):
+    D, B, H, N = 2, 3, 8, 12
+    g = torch.Generator().manual_seed(0)
+    xw = torch.randn(N, D * 4 * H, generator=g).to(device)
+    w_hh = (torch.randn(D, 4 * H, H, generator=g) * 0.3).to(device)
+    w_hh_t = w_hh.view(D, 4, H, H).transpose(2, 3).contiguous()
+    h0, c0 = torch.randn(D, B, H, generator=g).to(device), torch.randn(D, B, H, generator=g).to(device)
+    row_start = torch.tensor([0, 4, 8], device=device)
+    lengths = torch.tensor([4, 2, 3], dtype=torch.int32, device=device)
+    config = _config_as_ints(choose_config(B, H, D, xw.device, frames=N))
+    torch.library.opcheck(lstm_recurrence_op.custom_op,
+                          (xw, w_hh, w_hh_t, h0, c0, row_start, lengths, 1, True, config))
+
+
+# ----------------------------------------------------------------------------------------
 # Bad input
 
 
@@ -375,7 +473,7 @@ def test_bad_inputs(device):
             model(x, lengths=torch.tensor([-1, 2]))
         with pytest.raises(ValueError, match="shape"):
             model(x, lengths=torch.tensor([4, 2, 1]))
-        with pytest.raises(TypeError, match="integer"):
+        with pytest.raises(TypeError, match="lengths must be int32 or int64"):
             model(x, lengths=torch.tensor([4.0, 2.0]))
         with pytest.raises(ValueError, match="h0 must have shape"):
             model(x, (torch.zeros(4, 3, 8, device=device), torch.zeros(4, 2, 8, device=device)))
@@ -425,42 +523,54 @@ def test_cooperative_default_configuration_repeated(B, H):
 
 @gpu_only
 @pytest.mark.parametrize(
-    "units,matvec,num_warps,prefetch,sync,block_b",
-    [(16, 0, 4, 1, 1, 2), (16, 1, 4, 1, 1, 16), (16, 2, 4, 2, 1, 2), (32, 2, 4, 1, 1, 2), (8, 2, 2, 2, 1, 2),
-     (16, 3, 4, 2, 1, 16),
+    "units,product,num_warps,prefetch_steps,wait,rows_per_tile",
+    [(16, ROW_SUMS, 4, 1, STEP_COUNTER, 2), (16, FOUR_GATES, 4, 2, STEP_COUNTER, 2),
+     (32, FOUR_GATES, 4, 1, STEP_COUNTER, 2), (8, FOUR_GATES, 2, 2, STEP_COUNTER, 2),
+     (16, TENSOR_CORES, 4, 2, STEP_COUNTER, 16), (16, FOUR_GATES, 4, 1, STEP_COUNTER, 4),
      # step-tagged words; one row of 64 units over 4 or 8 warps holds every word in several threads
-     (16, 0, 4, 1, 2, 2), (16, 1, 4, 1, 2, 16), (16, 2, 4, 2, 2, 1), (32, 2, 8, 2, 2, 1), (32, 2, 4, 1, 2, 4),
-     (8, 2, 2, 2, 2, 2), (16, 3, 4, 2, 2, 16),
-     # the four gates as one product, with either wait
-     (16, 4, 4, 2, 2, 1), (32, 4, 8, 2, 2, 1), (32, 4, 8, 1, 2, 2), (8, 4, 2, 2, 2, 2), (16, 4, 4, 1, 1, 4),
+     (16, ROW_SUMS, 4, 1, TAGGED_WORDS, 2), (32, FOUR_GATES, 4, 1, TAGGED_WORDS, 4),
+     (16, TENSOR_CORES, 4, 2, TAGGED_WORDS, 16),
+     (16, FOUR_GATES, 4, 2, TAGGED_WORDS, 1), (32, FOUR_GATES, 8, 2, TAGGED_WORDS, 1),
+     (32, FOUR_GATES, 8, 1, TAGGED_WORDS, 2), (8, FOUR_GATES, 2, 2, TAGGED_WORDS, 2),
      # the poll loop in PTX: one word a thread, words held twice, several words a thread
-     (16, 4, 4, 2, 3, 1), (32, 4, 8, 2, 3, 1), (32, 4, 8, 1, 3, 2), (8, 4, 2, 2, 3, 2), (32, 4, 4, 1, 3, 4),
-     (16, 2, 4, 2, 3, 1), (16, 0, 4, 1, 3, 2)],
-    ids=lambda v: str(v))
-def test_cooperative_variants(units, matvec, num_warps, prefetch, sync, block_b):
+     (16, FOUR_GATES, 4, 2, TAGGED_WORDS_PTX, 1), (32, FOUR_GATES, 8, 2, TAGGED_WORDS_PTX, 1),
+     (32, FOUR_GATES, 8, 1, TAGGED_WORDS_PTX, 2), (8, FOUR_GATES, 2, 2, TAGGED_WORDS_PTX, 2),
+     (32, FOUR_GATES, 4, 1, TAGGED_WORDS_PTX, 4), (16, ROW_SUMS, 4, 1, TAGGED_WORDS_PTX, 2)],
+    ids=_param_id)
+def test_cooperative_variants(units, product, num_warps, prefetch_steps, wait, rows_per_tile):
     lstm = make_lstm(13, 64, 2, True, device="cuda")
     lengths = torch.tensor([30, 17, 1, 9, 5, 2, 11], device="cuda")
     padded = torch.randn(7, 30, 13, device="cuda")
-    config = RecurrenceConfig(64 // units, block_b, matvec, sync, num_warps, prefetch=prefetch)
+    config = config_with_gate_default(programs_per_tile=64 // units, rows_per_tile=rows_per_tile, product=product,
+                                      wait=wait, num_warps=num_warps, prefetch_steps=prefetch_steps)
     with torch.no_grad():
         assert_runs_match(PersistentLSTM.from_torch(lstm, config), lstm, padded, lengths, 5)
 
 
+# (programs_per_tile, rows_per_tile, product, wait, num_warps) and the options of each
+COOPERATIVE_OPTIONS = [
+    ((2, 1, FOUR_GATES, TAGGED_WORDS, 8), dict(prefetch_steps=2, l2_prefetch_steps=8)),
+    ((2, 2, FOUR_GATES, TAGGED_WORDS, 8), dict(l2_prefetch_steps=1, fast_math=False)),
+    ((4, 2, ROW_SUMS, STEP_COUNTER, 4), dict(l2_prefetch_steps=3)),
+    ((4, 16, TENSOR_CORES, STEP_COUNTER, 4), dict(l2_prefetch_steps=8, fast_math=True)),
+    ((1, 4, FOUR_GATES, CTA_BARRIER, 4), dict(l2_prefetch_steps=2, fast_math=True)),
+    ((2, 1, FOUR_GATES, TAGGED_WORDS, 8), dict(prefetch_steps=2, l2_prefetch_steps=8, tiles_per_program=4)),
+    ((2, 2, FOUR_GATES, TAGGED_WORDS, 8), dict(tiles_per_program=3)),
+    ((4, 2, ROW_SUMS, STEP_COUNTER, 4), dict(tiles_per_program=2)),
+    ((4, 16, TENSOR_CORES, STEP_COUNTER, 4), dict(tiles_per_program=2)),
+    ((2, 2, FOUR_GATES, TAGGED_WORDS_PTX, 8), dict(tiles_per_program=3)),
+    ((2, 1, FOUR_GATES, TAGGED_WORDS_PTX, 8), dict(prefetch_steps=2, l2_prefetch_steps=8, tiles_per_program=2)),
+    ((2, 2, FOUR_GATES, TAGGED_WORDS_PTX, 8), dict(l2_prefetch_steps=1, fast_math=False, tiles_per_program=2)),
+]
+
+
 @gpu_only
-@pytest.mark.parametrize("config", [RecurrenceConfig(2, 1, 4, 2, 8, prefetch=2, l2_prefetch=8),
-                                    RecurrenceConfig(2, 2, 4, 2, 8, l2_prefetch=1, fast_math=False),
-                                    RecurrenceConfig(4, 2, 0, 1, 4, l2_prefetch=3),
-                                    RecurrenceConfig(4, 16, 3, 1, 4, l2_prefetch=8, fast_math=True),
-                                    RecurrenceConfig(1, 4, 4, 0, 4, l2_prefetch=2, fast_math=True),
-                                    RecurrenceConfig(2, 1, 4, 2, 8, prefetch=2, l2_prefetch=8, sub_tiles=4),
-                                    RecurrenceConfig(2, 2, 4, 2, 8, sub_tiles=3),
-                                    RecurrenceConfig(4, 2, 0, 1, 4, sub_tiles=2),
-                                    RecurrenceConfig(4, 16, 3, 1, 4, sub_tiles=2),
-                                    RecurrenceConfig(2, 2, 4, 3, 8, sub_tiles=3),
-                                    RecurrenceConfig(2, 1, 4, 3, 8, prefetch=2, l2_prefetch=8, sub_tiles=2),
-                                    RecurrenceConfig(2, 2, 4, 3, 8, l2_prefetch=1, fast_math=False, sub_tiles=2)],
-                         ids=lambda c: f"K{c.programs_per_tile}-b{c.block_b}-mv{c.matvec}-s{c.sync}-l2{c.l2_prefetch}"
-                                       f"-fast{c.fast_math}-sub{c.sub_tiles}")
+@pytest.mark.parametrize("config", [
+    config_with_gate_default(programs_per_tile=k, rows_per_tile=rows, product=product, wait=wait, num_warps=warps,
+                             **options)
+    for (k, rows, product, wait, warps), options in COOPERATIVE_OPTIONS],
+    ids=lambda c: f"K{c.programs_per_tile}-rows{c.rows_per_tile}-{c.product.name}-{c.wait.name}"
+                  f"-l2{c.l2_prefetch_steps}-fast{c.fast_math}-tiles{c.tiles_per_program}")
 def test_cooperative_options(config):
     """Prefetching into L2 is only a hint, the single-instruction gate arithmetic stays
     within 1e-5, and a program that runs several tiles one after another waits on the
@@ -487,30 +597,39 @@ def test_cooperative_options(config):
 def test_cooperative_grid_never_exceeds_the_sm_count():
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     for B in (1, 8, 32, 128):
-        cfg = choose_config(B, 128, 2, torch.device("cuda"))
-        assert cfg.programs_per_tile > 1 and cfg.sync == 3, ("pyannote shapes cooperate, polling in PTX", cfg)
+        cfg = choose_config(B, 128, 2, torch.device("cuda"), frames=589 * B)
+        assert cfg.programs_per_tile > 1 and cfg.wait == TAGGED_WORDS_PTX, ("pyannote shapes cooperate, polling in PTX",
+                                                                            cfg)
     for B in (1, 7, 32, 100, 128, 1000):
         for H in (16, 100, 128, 256, 512):
             for D in (1, 2):
-                cfg = choose_config(B, H, D, torch.device("cuda"))
-                words = cfg.block_b * max(runtime.next_power_of_2(H), 16)  # of a tile
-                cooperative = 3 if H <= 128 and words <= 32 * cfg.num_warps and cfg.sub_tiles <= 3 else 2
-                assert cfg.sync == (0 if cfg.programs_per_tile == 1 else 1 if cfg.matvec == 3 else cooperative), cfg
-                assert cfg.matvec in (3, 4), cfg
-                per_launch = min(-(-B // (cfg.block_b * cfg.sub_tiles)), sms // (D * cfg.programs_per_tile))
+                cfg = choose_config(B, H, D, torch.device("cuda"), frames=96 * B)
+                words = cfg.rows_per_tile * max(runtime.next_power_of_2(H), 16)  # of a tile
+                ptx = H <= 128 and words <= 32 * cfg.num_warps and cfg.tiles_per_program <= 3
+                cooperative = TAGGED_WORDS_PTX if ptx else TAGGED_WORDS
+                expected = (CTA_BARRIER if cfg.programs_per_tile == 1 else
+                            STEP_COUNTER if cfg.product == TENSOR_CORES else cooperative)
+                assert cfg.wait == expected, cfg
+                assert cfg.product in (TENSOR_CORES, FOUR_GATES), cfg
+                assert cfg.fast_math == (cfg.product == FOUR_GATES), cfg
+                per_launch = min(-(-B // (cfg.rows_per_tile * cfg.tiles_per_program)),
+                                 sms // (D * cfg.programs_per_tile))
                 assert cfg.programs_per_tile * per_launch * D <= sms, (B, H, D, cfg)
     lstm = make_lstm(3, 128, 1, True, device="cuda")
     with torch.no_grad(), pytest.raises(ValueError, match="resident"):
-        PersistentLSTM.from_torch(lstm, RecurrenceConfig(128, 1, 0, 1))(torch.randn(2, 2, 3, device="cuda"))
+        too_many = RecurrenceConfig(programs_per_tile=128, rows_per_tile=1, product=ROW_SUMS, wait=STEP_COUNTER)
+        PersistentLSTM.from_torch(lstm, too_many)(torch.randn(2, 2, 3, device="cuda"))
 
 
 @gpu_only
-@pytest.mark.parametrize("sub_tiles", [1, 3])
-def test_batch_larger_than_one_launch_runs_in_several(sub_tiles):
+@pytest.mark.parametrize("tiles_per_program", [1, 3])
+def test_batch_larger_than_one_launch_runs_in_several(tiles_per_program):
     """More rows than the GPU can hold cooperating at once: consecutive launches, same result."""
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     lstm = make_lstm(5, 16, 2, True, device="cuda")
-    config = RecurrenceConfig(2, 1, 2, 1, sub_tiles=sub_tiles)  # sub_tiles * sms // 4 rows per launch
+    # tiles_per_program * sms // 4 rows per launch
+    config = config_with_gate_default(programs_per_tile=2, rows_per_tile=1, product=FOUR_GATES, wait=STEP_COUNTER,
+                                      tiles_per_program=tiles_per_program)
     lengths = torch.randint(1, 20, (sms + 7,), generator=torch.Generator().manual_seed(3)).cuda()
     padded = torch.randn(sms + 7, 19, 5, device="cuda")
     hx = (torch.randn(4, sms + 7, 16, device="cuda"), torch.randn(4, sms + 7, 16, device="cuda"))
@@ -523,17 +642,48 @@ def test_batch_larger_than_one_launch_runs_in_several(sub_tiles):
 
 
 @gpu_only
+def test_cuda_graph_capture_replays():
+    """A captured call (the custom op path, no host reads) replays to the eager result."""
+    lstm = make_lstm(60, 128, 2, True, device="cuda")
+    model = PersistentLSTM.from_torch(lstm)
+    lengths = torch.tensor([50, 17, 33, 1, 50, 8, 2, 40], device="cuda")
+    x = torch.randn(8, 50, 60, device="cuda")
+    packed = pack(x, lengths)
+    with torch.no_grad():
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):  # warm-up: compile the kernels, prepare the weights
+            model(x)
+            model(packed)
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            y, (h, c) = model(x)
+            out, (h_packed, c_packed) = model(packed)
+        x.copy_(torch.randn_like(x))
+        packed.data.copy_(pack(x, lengths).data)
+        graph.replay()
+        ref, (h_ref, c_ref) = lstm(x)
+        ref_packed, (h_ref_packed, _) = packed_reference(lstm, x, lengths)
+    assert_close("y", y, ref, atol=ATOL, rtol=RTOL)
+    assert_close("h_n", h, h_ref, atol=ATOL, rtol=RTOL)
+    assert_close("c_n", c, c_ref, atol=ATOL, rtol=RTOL)
+    assert_close("packed y", out.data, ref_packed, atol=ATOL, rtol=RTOL)
+    assert_close("packed h_n", h_packed, h_ref_packed, atol=ATOL, rtol=RTOL)
+
+
+@gpu_only
 @pytest.mark.parametrize("batch", [128, 256])
 def test_large_batch_defaults(batch):
     """Hidden 128: batch 128 runs one launch of CUDA-core programs with two tiles each,
     batch 256 one launch of 16-row tensor-core programs (tf32x3); both must match cuDNN
     in float32 to the same tolerance, run after run."""
-    cfg = choose_config(batch, 128, 2, torch.device("cuda"))
+    cfg = choose_config(batch, 128, 2, torch.device("cuda"), frames=40 * batch)
     if batch == 256:
-        assert cfg.matvec == 3 and cfg.block_b == 16, cfg
+        assert cfg.product == TENSOR_CORES and cfg.rows_per_tile == 16, cfg
     else:
-        assert cfg.matvec == 4 and cfg.block_b == 2 and cfg.programs_per_tile == 2 and cfg.sub_tiles == 2, cfg
-        assert cfg.sync == 3, cfg
+        assert cfg.product == FOUR_GATES and cfg.rows_per_tile == 2 and cfg.programs_per_tile == 2, cfg
+        assert cfg.tiles_per_program == 2 and cfg.wait == TAGGED_WORDS_PTX, cfg
     lstm = make_lstm(60, 128, 2, True, device="cuda")
     lengths = torch.randint(1, 41, (batch,), generator=torch.Generator().manual_seed(5)).cuda()
     lengths[0] = 40

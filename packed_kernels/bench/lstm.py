@@ -86,7 +86,7 @@ def _persistent(B, T, I, H, layers):
 
 def _padded_stage(B, T, I, H, layers):
     def factory():
-        from ..ops.lstm.padded_torch import lstm_weights, padded_lstm
+        from ..ops.lstm.padded_torch import lstm_padded, lstm_weights
 
         lstm = _lstm(I, H, layers)
         weights = lstm_weights(lstm)
@@ -94,7 +94,7 @@ def _padded_stage(B, T, I, H, layers):
 
         def run():
             with torch.no_grad():
-                return padded_lstm(x, weights)
+                return lstm_padded(x, weights)
         return run
     return factory
 

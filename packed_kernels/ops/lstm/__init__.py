@@ -3,7 +3,7 @@
 * :mod:`.naive_numpy`: one layer, one direction, the cell written out (float64).
 * :mod:`.padded_torch`: stacked, bidirectional, a loop over time on a padded batch.
 * :mod:`.triton_kernels`: one persistent launch per layer runs the whole recurrence.
-* :class:`PersistentLSTM` (:mod:`.module`): the public wrapper of an ``nn.LSTM``.
+* :class:`PersistentLSTM` (:mod:`.api`): the public wrapper of an ``nn.LSTM``.
 """
 from .api import PersistentLSTM
 

@@ -15,7 +15,7 @@ from typing import List, NamedTuple, Optional, Tuple
 
 import torch
 
-__all__ = ["DirectionWeights", "lstm_weights", "padded_lstm", "reverse_within_lengths"]
+__all__ = ["DirectionWeights", "lstm_weights", "lstm_padded", "reverse_within_lengths"]
 
 
 class DirectionWeights(NamedTuple):
@@ -59,7 +59,7 @@ def reverse_within_lengths(lengths: torch.Tensor, T: int) -> torch.Tensor:
     return torch.where(t < lengths, lengths - 1 - t, t)
 
 
-def padded_lstm(
+def lstm_padded(
     x: torch.Tensor,
     weights: List[List[DirectionWeights]],
     lengths: Optional[torch.Tensor] = None,

@@ -2,70 +2,35 @@
 
 For one layer, both directions, the work splits in two:
 
-1. The input projection of every frame, ``X W_ih^T + b_ih + b_hh``, has no
-   dependency between frames: it is one matrix product for the whole layer (both
-   directions side by side in its columns), done by cuBLAS through ``torch`` or, for
-   wide inputs, by :func:`input_projection` on tensor cores.
-2. The recurrence ``z_t = xw_t + W_hh h_{t-1}`` is sequential. Launching a kernel
-   per step costs more than the step's work (a ``(B, H) x (H, 4H)`` product), so
+1. The input projection of every frame, ``xw = X W_ih^T + b_ih + b_hh``, has no
+   dependency between frames: one matrix product for the whole layer (both directions
+   side by side in its columns), by cuBLAS through ``torch`` or, for wide inputs, by
+   :func:`input_projection_triton` on tensor cores.
+2. The recurrence ``z_t = xw_t + W_hh h_{t-1}`` is sequential, and a launch per step
+   costs more than the step's ``(B, H) x (H, 4H)`` product, so
    :func:`_lstm_recurrence_kernel` is launched once and loops over time itself.
 
 The grid is ``(K, batch tiles, directions)``. The ``K`` programs of one (direction,
-batch tile) cooperate on one recurrence: program ``k`` owns hidden units
-``[k U, (k + 1) U)`` with ``U = BLOCK_H / K`` and the matching rows of the four
-gates of ``W_hh``, a ``4U x H`` slice loaded on chip once (into registers; into
-shared memory for the tensor-core product) and used at every step. Each step a
-program reads the whole ``h_{t-1}`` of its batch tile from a small exchange buffer
-in global memory (it stays in L2), computes its ``U`` units of ``h_t`` and ``c_t``
-(``c`` never leaves the program), writes its slice of ``h_t`` back and waits until
-the other ``K - 1`` programs have written theirs.
+batch tile) cooperate on one recurrence: program ``k`` owns hidden units ``[k U, (k + 1)
+U)``, ``U = BLOCK_H / K``, and loads the matching ``4U x H`` rows of ``W_hh`` on chip
+once. Each step it reads the whole ``h_{t-1}`` of its tile from an exchange buffer in
+global memory (it stays in L2), computes its units of ``h_t`` and ``c_t`` (``c`` never
+leaves the program), writes its slice of ``h_t`` back and waits for the other ``K - 1``
+programs (:class:`StepWait`).
 
-The wait (``sync`` 2 and 3) is carried by the data itself: every entry of the
-exchange buffer is one 64-bit word, the step number in its high half and the float32
-bits of ``h`` in its low half, written by one store that no reader can see half-done.
-A program polls its tile's ``h`` (volatile loads from L2) until every word carries the
-step it waits for; it then has the values too. One round trip through L2 per step
-when the data is ready, where a separate flag needs the writer's fence and counter
-update and the reader's counter loads before the data load (``sync`` 1, kept as an
-option: after a CTA barrier one release ``atomic_add`` per program, acquire loads of
-the counter until it reaches ``K (s + 1)``, then a ``.cg`` load of ``h``).
+Such a wait needs every program of a launch resident at once (a program waiting for
+one that never gets an SM waits forever): a launch holds at most one program per SM,
+and a larger batch runs as several launches. Two cooperative launches on different
+streams could each hold SMs the other needs, so run recurrences from one stream.
+Triton's interpreter runs the programs of a grid one after another, so there ``K = 1``:
+no cross-program wait.
 
-The poll's verdict must cover every copy of every word. Triton may lay a small tile
-out with several threads holding the same element (a ``(1, 64)`` tile over 128
-threads holds each twice), and a ``tl.sum`` treats such copies as one: it can pass
-while another thread's copy is still a step old. So each thread votes on what it
-loaded itself, through the CTA barrier-reduction ``bar.red.or`` (:func:`_any_stale`),
-and the program leaves the loop only when no thread saw a stale word.
-
-``sync`` 3 (the default for hidden sizes up to 128) is the same wait with the poll
-loop written in PTX (:func:`_wait_tiles_words`): the ``bar.red.or`` result is the
-same in every thread, so the loop branches on it directly. In Triton a ``while``
-needs a scalar condition, and turning the per-thread vote into one is a reduction of
-its own (three more CTA barriers and two trips through shared memory per poll).
-
-The exchange buffer is double buffered by step parity, so a fast program never
-overwrites values a slow one still reads: it can only write step ``s + 2`` into a
-slot after reading every program's step ``s + 1``, which each wrote after reading
-step ``s``.
-
-The wait needs every cooperating program resident at once (a program waiting for one
-that never gets an SM would wait forever): the wrapper keeps each launch within the
-SM count, one program per SM, and runs a batch too large for that as several
-launches. Other work running at the same time only delays the start of some
-programs (the others wait for them); two cooperative launches on different streams
-could each hold SMs the other needs, so run recurrences from one stream.
-
-``K = 1`` (``SYNC = 0``) has no cross-program wait at all: one program per
-(direction, tile) computes all units, reading ``W_hh`` from memory each step. This
-is the configuration Triton's interpreter runs on the CPU, where the programs of a
-grid run one after another and a spin-wait would never end (and the GPU's, for
-hidden sizes of 32 or less at batches larger than one cooperative launch holds).
-
-There is no backward kernel: this is an inference path, and the module falls back
-to the differentiable padded PyTorch stage when a gradient is needed.
+There is no backward kernel: this is an inference path.
 """
 from __future__ import annotations
 
+import enum
+import functools
 import math
 from dataclasses import dataclass, replace
 from typing import Optional
@@ -74,14 +39,73 @@ import torch
 import triton
 import triton.language as tl
 
-from ... import runtime
+from ... import runtime, validation
 from ...device_functions.fast_math import exp as _exp
 from ...device_functions.fast_math import reciprocal as _reciprocal
 
-__all__ = ["MAX_HIDDEN", "RecurrenceConfig", "choose_config", "input_projection", "lstm_recurrence"]
+__all__ = [
+    "MAX_HIDDEN", "RecurrenceConfig", "RecurrentProduct", "StepWait", "choose_config", "input_projection_triton",
+    "lstm_recurrence_triton",
+]
 
 #: The largest hidden size whose recurrent weights the kernels keep on chip.
 MAX_HIDDEN = 512
+
+
+class RecurrentProduct(enum.IntEnum):
+    """How a program computes ``W_hh h`` for its units each step (:func:`_products`)."""
+
+    #: Per gate, ``w`` ``(U, BLOCK_H)``: a broadcast multiply summed along each weight row.
+    ROW_SUMS = 0
+    #: Per gate, ``tl.dot`` on tensor cores with three TF32 products per product
+    #: (``tf32x3``: the high and low parts of both factors), float32 accuracy.
+    TENSOR_CORES = 1
+    #: The four gates as one ``(BLOCK_H, U, 4)`` slice of the transposed weights: one
+    #: broadcast multiply summed over the columns, mostly inside each thread, and one
+    #: reduction instead of four. Only for ``rows_per_tile < 16``: from 16 rows on,
+    #: Triton rewrites this pattern into a dot with TF32 inputs.
+    FOUR_GATES = 2
+
+
+class StepWait(enum.IntEnum):
+    """How the ``K`` programs of a tile wait, each step, for the ``h`` the others wrote.
+
+    The exchange buffer has two slots, used by step parity: a program writes step
+    ``s + 2`` into a slot only after reading every program's step ``s + 1``, which each
+    wrote after reading step ``s``, so no value is overwritten while still being read.
+    """
+
+    #: ``K = 1``: one program per tile, a CTA barrier between steps and nothing to wait for.
+    CTA_BARRIER = 0
+    #: After a CTA barrier, one release ``atomic_add`` per program on its tile's counter,
+    #: acquire loads until it reaches ``K (s + 1)``, then a ``.cg`` load of ``h`` (from L2).
+    STEP_COUNTER = 1
+    #: Each exchange entry is one 64-bit word, the step in its high half and the float32
+    #: bits of ``h`` in its low half, written by one store: a program polls its tiles'
+    #: words until all carry the step it waits for, and then holds the values too (one
+    #: trip through L2, where a counter needs the writer's fence and update and the
+    #: reader's counter loads first). Triton may give several threads copies of one word,
+    #: which a ``tl.sum`` over the tile counts once, so every thread votes on what it
+    #: loaded itself (:func:`_any_stale`).
+    TAGGED_WORDS = 2
+    #: The same with the poll loop in inline PTX (:func:`_wait_tiles_words`), which
+    #: branches on the ``bar.red.or`` vote directly, where a Triton ``while`` first needs
+    #: it reduced to a scalar (more CTA barriers per poll). At most
+    #: :data:`MAX_WAIT_TILES` tiles per program.
+    TAGGED_WORDS_PTX = 3
+
+
+# The modes as the kernels compare them (a jit function reads only constexpr globals).
+ROW_SUMS = tl.constexpr(RecurrentProduct.ROW_SUMS.value)
+TENSOR_CORES = tl.constexpr(RecurrentProduct.TENSOR_CORES.value)
+FOUR_GATES = tl.constexpr(RecurrentProduct.FOUR_GATES.value)
+CTA_BARRIER = tl.constexpr(StepWait.CTA_BARRIER.value)
+STEP_COUNTER = tl.constexpr(StepWait.STEP_COUNTER.value)
+TAGGED_WORDS = tl.constexpr(StepWait.TAGGED_WORDS.value)
+TAGGED_WORDS_PTX = tl.constexpr(StepWait.TAGGED_WORDS_PTX.value)
+
+#: The most tiles per program the PTX poll loop (:data:`StepWait.TAGGED_WORDS_PTX`) is tested with.
+MAX_WAIT_TILES = 3
 
 
 @triton.jit
@@ -118,41 +142,23 @@ def _any_stale(stale, VOTE_PACK: tl.constexpr):
 
 
 @triton.jit
-def _gate_matvec(h, w, MATVEC: tl.constexpr):
+def _gate_product(h, w, PRODUCT: tl.constexpr):
     """``h W^T`` for one gate: ``h`` is ``(BLOCK_B, BLOCK_H)``; the result ``(BLOCK_B, U)``.
 
-    ``MATVEC`` picks how (the layout of ``w`` follows, see :func:`_load_gate_weight`):
-
-    * 0: ``w`` is ``(U, BLOCK_H)``; a broadcast multiply summed over its contiguous
-      last axis (Triton spreads that axis over the lanes of a warp: many shuffles).
-    * 1: ``w`` is ``(BLOCK_H, U)``; ``tl.dot`` on CUDA cores in IEEE float32.
-    * 2: ``w`` is ``(BLOCK_H, U)``, read from a transposed copy so that the units are
-      contiguous; a broadcast multiply summed over axis 1, which Triton keeps mostly
-      inside each thread. Only for ``BLOCK_B < 16``: from 16 rows on, Triton rewrites
-      this pattern into a dot with TF32 inputs.
-    * 3: as 1, on tensor cores with three TF32 products per product
-      (``tf32x3``: the high and low parts of both factors), float32 accuracy.
-
-    (``MATVEC`` 4, the four gates as one product, is written out in :func:`_cell`.)
+    With ``ROW_SUMS`` ``w`` is ``(U, BLOCK_H)``, summed over its contiguous last axis;
+    with ``TENSOR_CORES`` it is ``(BLOCK_H, U)``, a ``tf32x3`` dot (see
+    :class:`RecurrentProduct`; ``FOUR_GATES`` is written out in :func:`_products`).
     """
-    if MATVEC == 3:
+    if PRODUCT == TENSOR_CORES:
         return tl.dot(h, w, input_precision="tf32x3")
-    elif MATVEC == 1:
-        return tl.dot(h, w, input_precision="ieee")
-    elif MATVEC == 2:
-        return tl.sum(h[:, :, None] * w[None, :, :], axis=1)
     else:
         return tl.sum(h[:, None, :] * w[None, :, :], axis=2)
 
 
 @triton.jit
-def _load_gate_weight(w_hh_ptr, d, gate, H, units, cols, mask_units, mask_cols, MATVEC: tl.constexpr):
+def _load_gate_weight(w_hh_ptr, d, gate, H, units, cols, mask_units, mask_cols, PRODUCT: tl.constexpr):
     rows = (d * 4 + gate) * H + units  # rows of W_hh for direction d, this gate, these units
-    if MATVEC == 2:
-        # w_hh_ptr holds W_hh transposed per gate, (D, 4, H, H) indexed [d, gate, col, unit].
-        ptrs = w_hh_ptr + ((d * 4 + gate) * H + cols[:, None]).to(tl.int64) * H + units[None, :]
-        return tl.load(ptrs, mask=mask_units[None, :] & mask_cols[:, None], other=0.0)
-    elif MATVEC == 0:
+    if PRODUCT == ROW_SUMS:
         ptrs = w_hh_ptr + rows[:, None].to(tl.int64) * H + cols[None, :]
         return tl.load(ptrs, mask=mask_units[:, None] & mask_cols[None, :], other=0.0)
     else:
@@ -172,12 +178,12 @@ def _frame_row(row_start, lengths, s, d, row_step):
 
 
 @triton.jit
-def _load_gate_weights(w_hh_ptr, d, H, units, cols, mask_units, mask_cols, MATVEC: tl.constexpr):
+def _load_gate_weights(w_hh_ptr, d, H, units, cols, mask_units, mask_cols, PRODUCT: tl.constexpr):
     """This program's ``4 x UNITS`` rows of ``W_hh``, one tensor per gate (``i, f, g, o``)."""
-    return (_load_gate_weight(w_hh_ptr, d, 0, H, units, cols, mask_units, mask_cols, MATVEC),
-            _load_gate_weight(w_hh_ptr, d, 1, H, units, cols, mask_units, mask_cols, MATVEC),
-            _load_gate_weight(w_hh_ptr, d, 2, H, units, cols, mask_units, mask_cols, MATVEC),
-            _load_gate_weight(w_hh_ptr, d, 3, H, units, cols, mask_units, mask_cols, MATVEC))
+    return (_load_gate_weight(w_hh_ptr, d, 0, H, units, cols, mask_units, mask_cols, PRODUCT),
+            _load_gate_weight(w_hh_ptr, d, 1, H, units, cols, mask_units, mask_cols, PRODUCT),
+            _load_gate_weight(w_hh_ptr, d, 2, H, units, cols, mask_units, mask_cols, PRODUCT),
+            _load_gate_weight(w_hh_ptr, d, 3, H, units, cols, mask_units, mask_cols, PRODUCT))
 
 
 @triton.jit
@@ -272,10 +278,6 @@ def _words_dtypes(tiles):
     return (tl.int64,) * int(tiles)  # a tuple even for one tile: the asm returns a tuple
 
 
-#: most tiles per program the PTX poll loop (``sync`` 3) was measured and tested with
-MAX_WAIT_TILES = 3
-
-
 @triton.jit
 def _poll_asm(words_t, read_slot, full_t, mask_full_t, step, SUB_TILES: tl.constexpr):
     """One instance of :func:`_wait_asm`'s loop per word a thread holds of each tile."""
@@ -291,16 +293,16 @@ def _poll_asm(words_t, read_slot, full_t, mask_full_t, step, SUB_TILES: tl.const
 
 @triton.jit
 def _wait_tiles_words(read_slot, full_t, mask_full_t, s, SUB_TILES: tl.constexpr):
-    """``sync`` 3: the tiles' words once every one carries step ``s``; the poll loop in PTX.
+    """The tiles' words once every one carries step ``s``, the poll loop in PTX (``TAGGED_WORDS_PTX``).
 
     A first load of the words in Triton, then one inline-PTX loop over all tiles
     (:func:`_wait_asm`). GPU only.
     """
     words_t = _load_tiles_words(read_slot, full_t, mask_full_t, SUB_TILES)
     step = mask_full_t[0].to(tl.int32) * 0 + s  # s in the words' layout
-    # Inside a loop that runs once: Triton then does not recompute the loads and the
-    # poll in each consumer's layout (measured: for a one-row tile it reran them once
-    # per element of the broadcast h, 128 polls a thread, and the kernel spilled).
+    # Inside a loop that runs once: Triton does not recompute a loop's results, where it
+    # would redo the loads and the poll in each consumer's layout (for a one-row tile, once
+    # per element of the broadcast h).
     once = 0
     while once < 1:
         words_t = _poll_asm(words_t, read_slot, full_t, mask_full_t, step, SUB_TILES)
@@ -318,13 +320,13 @@ def _stale_words(packed_t, mask_full_t, s, SUB_TILES: tl.constexpr):
 
 
 @triton.jit
-def _products(h, weights, BLOCK_B: tl.constexpr, UNITS: tl.constexpr, MATVEC: tl.constexpr):
+def _products(h, weights, BLOCK_B: tl.constexpr, UNITS: tl.constexpr, PRODUCT: tl.constexpr):
     """``W_hh h`` of a tile's ``(BLOCK_B, UNITS)`` units, one tensor per gate (``i, f, g, o``).
 
-    ``weights``: ``(w4,)``, the four gates' ``(BLOCK_H, UNITS, 4)`` slice, with ``MATVEC``
-    4, else one tensor per gate.
+    ``weights``: ``(w4,)``, the four gates' ``(BLOCK_H, UNITS, 4)`` slice, with
+    ``FOUR_GATES``, else one tensor per gate.
     """
-    if MATVEC == 4:
+    if PRODUCT == FOUR_GATES:
         # One product for the four gates; (BLOCK_B, UNITS, 4) -> four (BLOCK_B, UNITS).
         z = tl.sum(h[:, :, None, None] * weights[0][None, :, :, :], axis=1)
         z_ig, z_fo = tl.split(tl.reshape(z, (BLOCK_B, UNITS, 2, 2)))  # gate 2a + b at [a, b]
@@ -333,8 +335,8 @@ def _products(h, weights, BLOCK_B: tl.constexpr, UNITS: tl.constexpr, MATVEC: tl
         return z_i, z_f, z_g, z_o
     else:
         w_i, w_f, w_g, w_o = weights
-        return (_gate_matvec(h, w_i, MATVEC), _gate_matvec(h, w_f, MATVEC), _gate_matvec(h, w_g, MATVEC),
-                _gate_matvec(h, w_o, MATVEC))
+        return (_gate_product(h, w_i, PRODUCT), _gate_product(h, w_f, PRODUCT), _gate_product(h, w_g, PRODUCT),
+                _gate_product(h, w_o, PRODUCT))
 
 
 @triton.jit
@@ -357,7 +359,7 @@ def _lstm_recurrence_kernel(
     row_start_ptr, lengths_ptr, counter_ptr,
     B, H, row_step, n_tiles,
     NUM_DIRECTIONS: tl.constexpr, K: tl.constexpr, BLOCK_B: tl.constexpr,
-    BLOCK_H: tl.constexpr, UNITS: tl.constexpr, MATVEC: tl.constexpr, SYNC: tl.constexpr,
+    BLOCK_H: tl.constexpr, UNITS: tl.constexpr, PRODUCT: tl.constexpr, WAIT: tl.constexpr,
     PREFETCH: tl.constexpr, VOTE_PACK: tl.constexpr, L2_AHEAD: tl.constexpr, FAST: tl.constexpr,
     SUB_TILES: tl.constexpr,
 ):
@@ -377,9 +379,10 @@ def _lstm_recurrence_kernel(
     Layouts (float32, contiguous): ``xw`` ``(N, D * 4H)``, ``W_hh`` ``(D, 4H, H)``,
     ``out`` ``(N, D * H)``, ``h0``/``c0``/``hn``/``cn`` ``(D, B, H)``; frame ``t`` of
     sequence ``b`` is row ``row_start[b] + t * row_step``. ``exchange`` is ``(2, D, B,
-    H)``, slot 0 holding ``h0``: float32, or with ``SYNC`` 2 or 3 int64 words tagged with
-    their step (``h0`` step 0, slot 1 step -1); ``counter``, read with ``SYNC`` 1 only,
-    ``(D, n_tiles)`` int32 zeros: the step counter of each direction and tile. Program
+    H)``, slot 0 holding ``h0``: float32, or with the ``TAGGED_WORDS`` waits int64 words
+    tagged with their step (``h0`` step 0, slot 1 step -1); ``counter``, read with
+    ``STEP_COUNTER`` only, ``(D, n_tiles)`` int32 zeros: the step counter of each
+    direction and tile. Program
     ``(k, tile, d)`` owns units ``[k UNITS, (k + 1) UNITS)`` of rows ``[tile R, (tile +
     1) R)``, ``R = BLOCK_B SUB_TILES``, in direction ``d``: ``SUB_TILES`` tiles of
     ``BLOCK_B`` rows, each step computing the products of all of them, then their cells.
@@ -392,7 +395,7 @@ def _lstm_recurrence_kernel(
     mask_units = units < H
     cols = tl.arange(0, BLOCK_H)
     mask_cols = cols < H
-    if MATVEC == 4:
+    if PRODUCT == FOUR_GATES:
         # All four gates in one (BLOCK_H, UNITS, 4) tensor, from the transposed copy:
         # w4[col, u, gate] = W_hh[d, gate H + units[u], col]. Held for every step.
         gates = tl.arange(0, 4)
@@ -401,7 +404,7 @@ def _lstm_recurrence_kernel(
         weights = (w4,)
     elif K > 1:
         # Held in registers for every step: this program's 4 x UNITS rows of W_hh.
-        weights = _load_gate_weights(w_hh_ptr, d, H, units, cols, mask_units, mask_cols, MATVEC)
+        weights = _load_gate_weights(w_hh_ptr, d, H, units, cols, mask_units, mask_cols, PRODUCT)
 
     # The program's SUB_TILES tiles of BLOCK_B rows, each its own tuple entry: a step
     # computes their products one after another, so registers hold the broadcast h of
@@ -441,29 +444,28 @@ def _lstm_recurrence_kernel(
     for s in range(0, n_steps):
         # h_{s-1} of the whole tile, as written by all K programs: slot s % 2.
         read_slot = exchange_ptr + (s % 2) * slot_size
-        if SYNC == 2:
+        if WAIT == TAGGED_WORDS:
             # Each entry is (step << 32) | float bits, one 64-bit word: a reader sees the
             # value and its step together. Poll until every entry of the tiles is step s.
             packed_t = _load_tiles_words(read_slot, full_t, mask_full_t, SUB_TILES)
             while _any_stale(_stale_words(packed_t, mask_full_t, s, SUB_TILES), VOTE_PACK) > 0:
                 packed_t = _load_tiles_words(read_slot, full_t, mask_full_t, SUB_TILES)
-        elif SYNC == 3:
+        elif WAIT == TAGGED_WORDS_PTX:
             packed_t = _wait_tiles_words(read_slot, full_t, mask_full_t, s, SUB_TILES)  # the same, in PTX
-        if K == 1 and MATVEC != 4:
+        if K == 1 and PRODUCT != FOUR_GATES:
             # Nothing is held across steps: the whole W_hh is re-read (from cache) each step.
-            weights = _load_gate_weights(w_hh_ptr, d, H, units, cols, mask_units, mask_cols, MATVEC)
+            weights = _load_gate_weights(w_hh_ptr, d, H, units, cols, mask_units, mask_cols, PRODUCT)
 
         # The products of every tile first, then the cells: the gates of one tile and the
-        # products of the next are not separated by the CTA barriers of a product (H200,
-        # hidden 128: batch 128 7.67 -> 7.44 ms, batch 192 10.93 -> 10.75).
+        # products of the next are then not separated by the CTA barriers of a product.
         z_t = ()
         for r in tl.static_range(SUB_TILES):
-            if SYNC >= 2:
+            if WAIT >= TAGGED_WORDS:  # either tagged-word wait
                 h = packed_t[r].to(tl.int32).to(tl.float32, bitcast=True)  # the low 32 bits
             else:
                 # .cg reads L2, never a stale L1 line from an earlier step.
                 h = tl.load(read_slot + full_t[r], mask=mask_full_t[r], other=0.0, cache_modifier=".cg")
-            z_t = z_t + (_products(h, weights, BLOCK_B, UNITS, MATVEC),)
+            z_t = z_t + (_products(h, weights, BLOCK_B, UNITS, PRODUCT),)
         new_h_t = ()
         new_c_t = ()
         for r in tl.static_range(SUB_TILES):
@@ -473,7 +475,7 @@ def _lstm_recurrence_kernel(
             new_c_t = new_c_t + (tl.where(active[:, None], c_new, c_t[r]),)
             new_h_t = new_h_t + (h_own,)
             # The exchange first: the other programs wait for it, nothing waits for the output.
-            if SYNC >= 2:
+            if WAIT >= TAGGED_WORDS:
                 shared = h_own.to(tl.uint32, bitcast=True).to(tl.int64) | ((tl.zeros((), tl.int64) + s + 1) << 32)
             else:
                 shared = h_own
@@ -484,7 +486,7 @@ def _lstm_recurrence_kernel(
         h_own_t = new_h_t
         c_t = new_c_t
         # Later steps' inputs do not depend on h: their loads overlap the wait for the other
-        # programs' h (below, or at the top of the next step with SYNC 2 or 3). Loads that miss
+        # programs' h (below, or at the top of the next step with tagged words). Loads that miss
         # L2 still slow the steps that wait on them, so with L2_AHEAD the inputs of step
         # s + L2_AHEAD are first brought from DRAM into L2.
         if L2_AHEAD > 0:
@@ -498,7 +500,7 @@ def _lstm_recurrence_kernel(
         else:
             x_t = _load_tiles_inputs(xw_ptr, starts_t, lengths_t, s + 1, d, H, units, mask_units, row_step,
                                      NUM_DIRECTIONS, SUB_TILES)
-        if SYNC == 1:
+        if WAIT == STEP_COUNTER:
             # Every thread's store must be done before this program signals (CTA barrier),
             # and the release makes them visible to the programs that acquire the count.
             tl.debug_barrier()
@@ -506,7 +508,7 @@ def _lstm_recurrence_kernel(
             arrived = tl.atomic_add(counter, 0, sem="acquire", scope="gpu")
             while arrived < K * (s + 1):
                 arrived = tl.atomic_add(counter, 0, sem="acquire", scope="gpu")
-        elif SYNC == 0:
+        elif WAIT == CTA_BARRIER:
             tl.debug_barrier()  # the next step reads values other threads of this program wrote
 
     for r in tl.static_range(SUB_TILES):
@@ -547,13 +549,12 @@ def _projection_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, M, N, K, stride_x,
 
 
 @runtime.on_inputs_device
-def input_projection(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+def input_projection_triton(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
     """``x W^T + bias`` in float32 accuracy on tensor cores: ``x`` ``(M, K)`` with unit
     column stride, ``w`` ``(N, K)`` and ``bias`` ``(N,)`` (or ``None``) contiguous.
 
-    The input projection of every frame of a layer. cuBLAS's float32 product (TF32
-    off) runs on CUDA cores; three TF32 products on tensor cores are faster and as
-    accurate (H200, 18,848 frames x 256 inputs x 1,024 outputs: see the chapter).
+    The input projection of every frame of a layer: cuBLAS's float32 product (TF32 off)
+    runs on CUDA cores, three TF32 products on tensor cores are as accurate.
     """
     M, K = x.shape
     N = w.shape[0]
@@ -572,50 +573,75 @@ def input_projection(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tens
     return out
 
 
-@dataclass(frozen=True)
+def _power_of_two(name: str, value) -> int:
+    value = validation.integer_argument(name, value)
+    if value < 1 or value & (value - 1):
+        raise ValueError(f"{name} must be a power of two; got {value}")
+    return value
+
+
+def _at_least(name: str, value, low: int) -> int:
+    value = validation.integer_argument(name, value)
+    if value < low:
+        raise ValueError(f"{name} must be >= {low}; got {value}")
+    return value
+
+
+@dataclass(frozen=True, kw_only=True)
 class RecurrenceConfig:
-    """How :func:`lstm_recurrence` splits the work.
+    """How :func:`lstm_recurrence_triton` runs a layer's recurrence (:func:`choose_config`
+    picks it for a shape and device).
 
     Attributes:
-        programs_per_tile: ``K``, the programs that cooperate on one (direction,
-            batch tile); each holds ``4 H / K`` rows of ``W_hh``. ``1`` means no
-            cross-program waits (the interpreter's configuration).
-        block_b: batch rows per tile (a power of two).
-        matvec: how the recurrent product is computed (see :func:`_gate_matvec`):
-            0 broadcast multiply and sum over a weight row, 1 ``tl.dot`` in IEEE
-            float32, 2 broadcast multiply and sum over transposed weights (only
-            with ``block_b < 16``), 3 ``tl.dot`` with three TF32 products per
-            product (tensor cores, float32 accuracy), 4 as 2 with the four gates
-            in one product (one reduction instead of four; ``block_b < 16``).
-        sync: how programs wait for each other's ``h``: 2, step-tagged 64-bit
-            words polled in place (GPU only); 3, the same with the poll loop in PTX
-            (GPU only, ``sub_tiles`` up to 3); 1, a step counter; 0, a CTA barrier
-            only. ``K > 1`` needs 1, 2 or 3, ``K = 1`` 0 or 1.
+        programs_per_tile: ``K``, the programs that cooperate on one (direction, batch
+            tile); each holds ``4 H / K`` rows of ``W_hh``. ``1``: no cross-program wait
+            (the interpreter's configuration).
+        rows_per_tile: batch rows per tile (a power of two).
+        product: how the recurrent product is computed (:class:`RecurrentProduct`).
+        wait: how the programs of a tile wait for each other's ``h`` (:class:`StepWait`):
+            ``CTA_BARRIER`` exactly when ``programs_per_tile`` is 1.
         num_warps: warps per program.
-        prefetch: how many steps ahead the projected inputs are loaded (1 or 2).
-        l2_prefetch: how many steps ahead the projected inputs are first brought from
-            DRAM into L2 (0: not at all; GPU only). ``None``: 8 for the CUDA-core
-            products when the layer's projected inputs fill more than half of L2 (so
-            that most of them come from DRAM), else 0.
-        sub_tiles: how many tiles of ``block_b`` rows one program runs in each step
-            (the products of all of them, then their cells): more rows per program
-            (fewer launches) for the registers of ``block_b`` rows.
+        prefetch_steps: how many steps ahead the projected inputs are loaded (1 or 2).
+        l2_prefetch_steps: how many steps ahead the projected inputs are first brought
+            from DRAM into L2 (0: not at all; GPU only).
         fast_math: the gates' exponentials and reciprocals as single approximate
-            instructions (``ex2.approx.ftz``, ``rcp.approx.ftz``; GPU only), where
-            ``tl.exp`` and ``/`` add range tests around the same instructions: about
-            1 ulp, and outputs still equal ``nn.LSTM`` to 1e-5. ``None``: on for the
-            CUDA-core products, off for the tensor-core one (measured slower there).
+            instructions (``ex2.approx.ftz``, ``rcp.approx.ftz``, about 1 ulp; GPU only),
+            where ``tl.exp`` and ``/`` add range tests around the same instructions.
+        tiles_per_program: how many tiles of ``rows_per_tile`` rows one program runs in
+            each step (the products of all of them, then their cells): more rows per
+            program for the registers of one tile.
     """
 
     programs_per_tile: int
-    block_b: int
-    matvec: int
-    sync: int
+    rows_per_tile: int
+    product: RecurrentProduct
+    wait: StepWait
     num_warps: int = 4
-    prefetch: int = 1
-    l2_prefetch: Optional[int] = None
-    fast_math: Optional[bool] = None
-    sub_tiles: int = 1
+    prefetch_steps: int = 1
+    l2_prefetch_steps: int = 0
+    fast_math: bool = False
+    tiles_per_program: int = 1
+
+    def __post_init__(self):
+        programs = _at_least("programs_per_tile", self.programs_per_tile, 1)
+        rows = _power_of_two("rows_per_tile", self.rows_per_tile)
+        _power_of_two("num_warps", self.num_warps)
+        for name, kind in (("product", RecurrentProduct), ("wait", StepWait)):
+            if not isinstance(getattr(self, name), kind):
+                raise TypeError(f"{name} must be a {kind.__name__}; got {getattr(self, name)!r}")
+        validation.check_choice("prefetch_steps", validation.integer_argument("prefetch_steps", self.prefetch_steps),
+                                (1, 2))
+        _at_least("l2_prefetch_steps", self.l2_prefetch_steps, 0)
+        validation.check_bool("fast_math", self.fast_math)
+        tiles = _at_least("tiles_per_program", self.tiles_per_program, 1)
+        if (programs == 1) != (self.wait == StepWait.CTA_BARRIER):
+            needed = "CTA_BARRIER" if programs == 1 else "STEP_COUNTER, TAGGED_WORDS or TAGGED_WORDS_PTX"
+            raise ValueError(f"programs_per_tile={programs} needs wait {needed}; got {self.wait.name}")
+        if self.wait == StepWait.TAGGED_WORDS_PTX and tiles > MAX_WAIT_TILES:
+            raise ValueError(f"wait TAGGED_WORDS_PTX takes at most {MAX_WAIT_TILES} tiles_per_program; got {tiles}")
+        if self.product == RecurrentProduct.FOUR_GATES and rows >= 16:
+            raise ValueError(f"product FOUR_GATES needs rows_per_tile < 16 (Triton turns larger ones into a TF32 "
+                             f"dot); got {rows}")
 
 
 def _l2_bytes(device: torch.device) -> int:
@@ -624,33 +650,38 @@ def _l2_bytes(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).L2_cache_size
 
 
-def choose_config(batch: int, hidden: int, num_directions: int, device: torch.device) -> RecurrenceConfig:
-    """The configuration used by default for a layer of this shape on ``device``.
+def choose_config(batch: int, hidden: int, num_directions: int, device: torch.device, *,
+                  frames: int) -> RecurrenceConfig:
+    """The configuration of a layer of this shape on ``device``; ``frames`` is the number
+    of rows of its projected inputs (every frame of every sequence).
 
-    On the GPU each launch is filled up to the SM count: ``K`` programs per
-    (direction, batch tile), as many tiles as fit. Per-program work is ``block_b x
-    units x H`` multiply-adds per gate and step; beyond 64 per thread (cooperating
-    programs, hidden sizes up to 128) or 128 the sums no longer stay in registers and time climbs
-    steeply, so a batch that needs more rows per program than that runs as several
-    launches. Slices of 16, 32 or 64 units (64 with 8 warps, at hidden sizes up to
-    128). Among the splits, the fewest launches, then the least work per thread, then
-    (measured on an H200) fewer programs per exchange for H <= 128 and the smaller
-    weight slice for larger H. The tensor-core product (``matvec`` 3, 16 rows per
-    program) measured slower than these CUDA-core sums in one launch; at hidden sizes
-    up to 128 a batch that needs two or three launches of them runs as one launch of
-    programs with that many tiles each (``sub_tiles``), and one that needs more, or the
-    full 128 multiply-adds per thread, as one launch of the tensor-core variant. The CUDA-core
-    configurations compute the four gates as one product (``matvec`` 4: measured 4% to
-    27% faster than gate by gate at 589 frames, for every shape tried) and wait on
-    step-tagged words (``sync`` 2), polled by a loop in PTX (``sync`` 3) at hidden
-    sizes up to 128 where each thread holds at most one word of a tile; the
-    tensor-core one waits on the step counter (``sync`` 1), each the faster there.
+    On the GPU each launch is filled up to the SM count: ``K`` programs per (direction,
+    batch tile), as many tiles as fit, over slices of 16, 32 or 64 units. Per-program
+    work is ``rows x units x H`` multiply-adds per gate and step; beyond 64 per thread
+    (cooperating programs, hidden sizes up to 128) or 128 the sums no longer stay in
+    registers, so a batch that needs more rows per program runs as several launches.
+    Among the splits: the fewest launches, then the least work per thread, then fewer
+    programs per exchange for H <= 128 and the smaller weight slice for larger H. The
+    CUDA-core splits compute the four gates as one product and wait on tagged words.
+    At hidden sizes up to 128, a batch that needs two or three launches of them runs as
+    one launch of programs with that many tiles each, and one that needs more (or the
+    full 128 multiply-adds a thread) as one launch of 16-row tensor-core programs, which
+    wait on the step counter (a thread holds 16 words of ``h``: too many to vote on).
     """
-    block_h = max(runtime.next_power_of_2(hidden), 16)
     if runtime.INTERPRETED or device.type != "cuda":
         # The interpreter runs programs one after another: no cross-program waits.
-        return RecurrenceConfig(1, min(runtime.next_power_of_2(max(batch, 1)), 16), 0, 0, 4)
-    sms = runtime.sm_count(device)
+        return RecurrenceConfig(programs_per_tile=1, rows_per_tile=min(runtime.next_power_of_2(max(batch, 1)), 16),
+                                product=RecurrentProduct.ROW_SUMS, wait=StepWait.CTA_BARRIER, num_warps=4)
+    # The L2 prefetch pays off when most projected inputs would come from DRAM (they
+    # fill more than half of L2).
+    inputs_spill_l2 = frames * num_directions * 4 * hidden * 4 > _l2_bytes(device) // 2
+    return _gpu_config(batch, hidden, num_directions, runtime.sm_count(device), inputs_spill_l2)
+
+
+@functools.lru_cache(maxsize=1024)
+def _gpu_config(batch: int, hidden: int, num_directions: int, sms: int, inputs_spill_l2: bool) -> RecurrenceConfig:
+    """:func:`choose_config` on a GPU of ``sms`` SMs."""
+    block_h = max(runtime.next_power_of_2(hidden), 16)
     best = None
     for units in (16, 32, 64):
         units = min(units, block_h)
@@ -663,8 +694,6 @@ def choose_config(batch: int, hidden: int, num_directions: int, device: torch.de
         if num_directions * k > sms:
             continue
         # rows per program: the most that keeps the work per thread within the limit
-        # (H200, hidden 128, batch 128: 4 rows of 64 units over 8 warps, 128 multiply-adds
-        # a thread, took 122 ms; 2 rows in two launches 9.2 ms)
         limit = 64 if block_h <= 128 and k > 1 else 128
         largest = 8
         while largest > 1 and largest * units * block_h // threads > limit:
@@ -678,50 +707,47 @@ def choose_config(batch: int, hidden: int, num_directions: int, device: torch.de
         work = block_b * units * block_h // threads
         key = (launches, work, k if block_h <= 128 else -k)
         if best is None or key < best[0]:
-            prefetch = 2 if block_b == 1 else 1  # measured a few percent faster at one row per program
-            best = (key, RecurrenceConfig(k, block_b, 4, 2 if k > 1 else 0, num_warps, prefetch=prefetch))
+            best = (key, RecurrenceConfig(
+                programs_per_tile=k, rows_per_tile=block_b, product=RecurrentProduct.FOUR_GATES,
+                wait=StepWait.TAGGED_WORDS if k > 1 else StepWait.CTA_BARRIER, num_warps=num_warps,
+                prefetch_steps=2 if block_b == 1 else 1))  # two steps ahead for one-row tiles
     if best is None:
         raise ValueError(f"hidden_size={hidden} is too large for the persistent kernels (at most {MAX_HIDDEN})")
     launches, work = best[0][:2]
-    config = best[1]
-    if block_h <= 128 and config.programs_per_tile > 1 and 1 < launches <= 3:
+    config = _ptx_poll(best[1], block_h)
+    if block_h <= 128 and best[1].programs_per_tile > 1 and 1 < launches <= 3:
         # Two or three launches' worth of rows: one launch whose programs each run that
-        # many tiles one after another (H200, hidden 128: batch 128, 7.4 ms against 9.2
-        # for two launches and 11.4 for the tensor cores; batch 192, 10.8 against 12.3
-        # for the tensor cores). Four tiles per program lost to the tensor cores (batch
-        # 256: 14.0 against 13.3 ms).
-        return _ptx_poll(replace(config, sub_tiles=launches), block_h)
-    if block_h <= 128 and (launches > 3 or work >= 128):
+        # many tiles one after another.
+        config = _ptx_poll(replace(best[1], tiles_per_program=launches), block_h)
+    elif block_h <= 128 and (launches > 3 or work >= 128):
         # Many rows: 16 rows per program on the tensor cores (tf32x3), in one launch,
         # instead of four or more tiles per program of the CUDA-core sums, or of
         # programs that each run a whole recurrence alone with 128 multiply-adds a
         # thread; at hidden 256 the weight slice outgrows shared memory.
-        # With 16 rows a thread holds 16 words of h: voting on them (``sync`` 2) cost
-        # more than the step counter (14.6 against 13.0 ms at batch 128, 17.5 against
-        # 15.9 at 256, measured before the CUDA-core sums took batch 128).
         k = max(block_h // 32, 1)
         tiles = sms // (num_directions * k)
         if tiles >= 1 and runtime.cdiv(batch, tiles * 16) <= launches:
-            return RecurrenceConfig(k, 16, 3, 1 if k > 1 else 0, 4)
-    return _ptx_poll(config, block_h)
+            config = RecurrenceConfig(programs_per_tile=k, rows_per_tile=16, product=RecurrentProduct.TENSOR_CORES,
+                                      wait=StepWait.STEP_COUNTER if k > 1 else StepWait.CTA_BARRIER, num_warps=4)
+    # The tensor-core programs gain neither from the L2 prefetch nor from the
+    # approximate gate arithmetic.
+    cuda_cores = config.product != RecurrentProduct.TENSOR_CORES
+    return replace(config, l2_prefetch_steps=8 if inputs_spill_l2 and cuda_cores else 0, fast_math=cuda_cores)
 
 
 def _ptx_poll(config: RecurrenceConfig, block_h: int) -> RecurrenceConfig:
-    """``config`` with the PTX poll loop (``sync`` 3) where it measured faster.
-
-    H200, pyannote stack (hidden 128): batch 1 2.50 -> 2.15 ms, batch 8 2.52 -> 2.15,
-    batch 32 3.51 -> 3.43, batch 64 4.55 -> 3.97, batch 128 7.43 -> 6.81, batch 192
-    10.70 -> 10.00. At hidden 256 (8 words a thread at batch 32) it was slower: 13.4 ->
-    16.5 ms at batch 32, 4.40 -> 4.54 at batch 8.
-    """
-    one_word = config.block_b * block_h <= 32 * config.num_warps
-    if config.sync == 2 and block_h <= 128 and one_word and config.sub_tiles <= MAX_WAIT_TILES:
-        return replace(config, sync=3)
+    """``config`` with the poll loop in PTX where each thread holds at most one word of a
+    tile (it runs once per word a thread holds; at hidden sizes above 128 the Triton loop
+    stays)."""
+    one_word = config.rows_per_tile * block_h <= 32 * config.num_warps
+    if config.wait == StepWait.TAGGED_WORDS and block_h <= 128 and one_word \
+            and config.tiles_per_program <= MAX_WAIT_TILES:
+        return replace(config, wait=StepWait.TAGGED_WORDS_PTX)
     return config
 
 
 @runtime.on_inputs_device
-def lstm_recurrence(
+def lstm_recurrence_triton(
     xw: torch.Tensor,
     w_hh: torch.Tensor,
     h0: torch.Tensor,
@@ -732,7 +758,7 @@ def lstm_recurrence(
     out: torch.Tensor,
     h_n: torch.Tensor,
     c_n: torch.Tensor,
-    config: Optional[RecurrenceConfig] = None,
+    config: RecurrenceConfig,
     w_hh_t: Optional[torch.Tensor] = None,
 ) -> None:
     """Run one layer's recurrence, every direction, in one launch (writes ``out``, ``h_n``, ``c_n``).
@@ -749,9 +775,9 @@ def lstm_recurrence(
             ``row_start[b] + t * row_step``).
         out: ``(N, D * H)``; only the rows of frames ``t < lengths[b]`` are written.
         h_n, c_n: ``(D, B, H)`` final states.
-        config: see :class:`RecurrenceConfig`; :func:`choose_config` when ``None``.
-        w_hh_t: ``(D, 4, H, H)``, each gate's ``W_hh`` block transposed; only read
-            with ``config.matvec`` 2 or 4 (made here when not given).
+        config: see :class:`RecurrenceConfig` (:func:`choose_config`).
+        w_hh_t: ``(D, 4, H, H)``, each gate's ``W_hh`` block transposed; only read with
+            ``FOUR_GATES`` (made here when not given).
 
     The caller guarantees the shapes and that every row index is in range.
     """
@@ -759,27 +785,13 @@ def lstm_recurrence(
     batch = lengths.numel()
     if batch == 0:
         return
-    if config is None:
-        config = choose_config(batch, hidden, num_directions, xw.device)
     block_h = max(runtime.next_power_of_2(hidden), 16)
     k = config.programs_per_tile
     if block_h % k:
         raise ValueError(f"programs_per_tile={k} must divide the padded hidden size {block_h}")
-    allowed = (1, 2, 3) if k > 1 else (0, 1)
-    if config.sync not in allowed:
-        choices = f"{', '.join(map(str, allowed[:-1]))} or {allowed[-1]}"
-        raise ValueError(f"programs_per_tile={k} needs sync {choices}, got {config.sync}")
-    if not isinstance(config.sub_tiles, int) or config.sub_tiles < 1:
-        raise ValueError(f"sub_tiles must be an int >= 1, got {config.sub_tiles!r}")
-    if config.sync == 3 and config.sub_tiles > MAX_WAIT_TILES:
-        raise ValueError(f"sync 3 takes at most {MAX_WAIT_TILES} sub_tiles, got {config.sub_tiles}")
-    if config.l2_prefetch is not None and (not isinstance(config.l2_prefetch, int) or config.l2_prefetch < 0):
-        raise ValueError(f"l2_prefetch must be None or a step count >= 0, got {config.l2_prefetch!r}")
-    if config.matvec in (2, 4) and config.block_b >= 16:
-        raise ValueError(f"matvec={config.matvec} needs block_b < 16 (Triton turns larger ones into a TF32 dot)")
     if k > 1 and runtime.INTERPRETED:
         raise ValueError("Triton's interpreter runs programs one at a time: programs_per_tile must be 1")
-    if config.matvec in (2, 4):
+    if config.product == RecurrentProduct.FOUR_GATES:
         if w_hh_t is None:
             w_hh_t = w_hh.view(num_directions, 4, hidden, hidden).transpose(2, 3).contiguous()
         w_hh = w_hh_t
@@ -793,7 +805,7 @@ def lstm_recurrence(
                 f"the cooperative configuration needs {num_directions * k} programs resident at once, "
                 f"but the GPU has {sms} SMs; use fewer programs_per_tile"
             )
-        rows_per_launch = max_tiles * config.block_b * config.sub_tiles
+        rows_per_launch = max_tiles * config.rows_per_tile * config.tiles_per_program
         if batch > rows_per_launch:
             for lo in range(0, batch, rows_per_launch):
                 hi = min(lo + rows_per_launch, batch)
@@ -811,9 +823,10 @@ def _launch(xw, w_hh, h0, c0, row_start, lengths, row_step, out, h_n, c_n, confi
     num_directions, _, hidden = w_hh.shape[0], w_hh.shape[1], h0.shape[2]
     batch = lengths.numel()
     k = config.programs_per_tile
-    n_tiles = runtime.cdiv(batch, config.block_b * config.sub_tiles)
+    n_tiles = runtime.cdiv(batch, config.rows_per_tile * config.tiles_per_program)
     grid = (k, n_tiles, num_directions)
-    if config.sync >= 2:
+    tagged = config.wait >= StepWait.TAGGED_WORDS  # either tagged-word wait
+    if tagged:
         # slot 0: h0 tagged step 0; slot 1: tagged -1, never a step a reader waits for
         exchange = torch.empty((2, num_directions, batch, hidden), dtype=torch.int64, device=xw.device)
         exchange[0] = h0.view(torch.int32).to(torch.int64) & 0xFFFFFFFF
@@ -821,30 +834,18 @@ def _launch(xw, w_hh, h0, c0, row_start, lengths, row_step, out, h_n, c_n, confi
     else:
         exchange = torch.empty((2, num_directions, batch, hidden), dtype=torch.float32, device=xw.device)
         exchange[0] = h0
-    l2_ahead = config.l2_prefetch
-    if l2_ahead is None:
-        # Measured on an H200 (50 MB of L2), pyannote stack: batch 16 (39 MB of projected
-        # inputs per layer) 3.80 -> 3.55 ms, batch 32 4.05 -> 3.66, batch 64 5.29 -> 4.77;
-        # batch 1 and 8 (inputs left in L2 by the projection) 2% slower, and the 16-row
-        # tensor-core programs 1-2% slower: those keep it off.
-        big = xw.numel() * xw.element_size() > _l2_bytes(xw.device) // 2
-        l2_ahead = 8 if big and config.matvec != 3 else 0
-    if runtime.INTERPRETED:
-        l2_ahead = 0
-    # H200, pyannote stack: batch 1 2.77 -> 2.53 ms, batch 32 3.69 -> 3.49, batch 64
-    # 4.77 -> 4.58; the 16-row tensor-core programs at batch 128 11.3 -> 12.1 (kept off)
-    fast = config.matvec != 3 if config.fast_math is None else bool(config.fast_math)
-    if config.sync == 1:
+    if config.wait == StepWait.STEP_COUNTER:
         counter = torch.zeros((num_directions, n_tiles), dtype=torch.int32, device=xw.device)
     else:
         counter = exchange  # not read: any pointer will do
+    gpu = not runtime.INTERPRETED  # the interpreter runs no inline PTX
     _lstm_recurrence_kernel[grid](
         xw, w_hh, out, exchange, h0, c0, h_n, c_n, row_start, lengths, counter,
         batch, hidden, row_step, n_tiles,
-        NUM_DIRECTIONS=num_directions, K=k, BLOCK_B=config.block_b, BLOCK_H=block_h,
-        UNITS=block_h // k, MATVEC=config.matvec, SYNC=config.sync, PREFETCH=config.prefetch,
+        NUM_DIRECTIONS=num_directions, K=k, BLOCK_B=config.rows_per_tile, BLOCK_H=block_h,
+        UNITS=block_h // k, PRODUCT=int(config.product), WAIT=int(config.wait), PREFETCH=config.prefetch_steps,
         # one vote per register of four entries where every thread holds a multiple of four
-        VOTE_PACK=4 if config.block_b * block_h >= 4 * 32 * config.num_warps else 1,
-        L2_AHEAD=l2_ahead, FAST=fast and not runtime.INTERPRETED, SUB_TILES=config.sub_tiles,
-        num_warps=config.num_warps,
+        VOTE_PACK=4 if config.rows_per_tile * block_h >= 4 * 32 * config.num_warps else 1,
+        L2_AHEAD=config.l2_prefetch_steps if gpu else 0, FAST=config.fast_math and gpu,
+        SUB_TILES=config.tiles_per_program, num_warps=config.num_warps,
     )
