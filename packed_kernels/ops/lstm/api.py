@@ -262,8 +262,8 @@ class PersistentLSTM(torch.nn.Module):
         device = x_rows.device
         n_states = lstm.num_layers * D
         config = self.config
-        if config is None:
-            config = choose_config(batch, H, D, device, frames=x_rows.shape[0])
+        if config is None:  # (an empty batch launches nothing: any configuration will do)
+            config = choose_config(max(batch, 1), H, D, device, frames=x_rows.shape[0])
         if traced:
             config_ints = _config_as_ints(config)
             h_layers, c_layers = [], []

@@ -675,7 +675,9 @@ def choose_config(batch: int, hidden: int, num_directions: int, device: torch.de
     # The L2 prefetch pays off when most projected inputs would come from DRAM (they
     # fill more than half of L2).
     inputs_spill_l2 = frames * num_directions * 4 * hidden * 4 > _l2_bytes(device) // 2
-    return _gpu_config(batch, hidden, num_directions, runtime.sm_count(device), inputs_spill_l2)
+    # Dynamo traces the function itself (and warns when it meets a cached one).
+    choose = _gpu_config.__wrapped__ if torch.compiler.is_compiling() else _gpu_config
+    return choose(batch, hidden, num_directions, runtime.sm_count(device), inputs_spill_l2)
 
 
 @functools.lru_cache(maxsize=1024)
