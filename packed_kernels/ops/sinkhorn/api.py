@@ -1,6 +1,6 @@
 """The public functions ``sinkhorn`` and ``sinkhorn_backward``: validation and autograd wiring.
 
-The forward and the two backwards are :class:`~packed_kernels.dispatch.Operator` s
+The forward and the two backwards are operators of :mod:`packed_kernels.dispatch`
 (``packed_kernels::sinkhorn_forward``, ``::sinkhorn_implicit_backward``,
 ``::sinkhorn_unrolled_backward``): eager calls run their ``autograd.Function``, traced
 ones (``torch.compile``, export, fake tensors, CUDA-graph capture) the custom ops. The

@@ -883,7 +883,7 @@ def forward_config(n: int, dtype: torch.dtype, *, layout: Optional[Layout] = Non
     staggered = n in (2, 4)
     block = _token_per_thread_block(n, dtype)
     threads = block // 2 if staggered else block
-    # shared reciprocals below float64 only (where the fast reciprocal is the alternative)
+    # shared reciprocals in float32 only, where one replaces a special-function instruction
     pairs = 1 if staggered and dtype != torch.float64 else 0
     return ForwardConfig(layout=layout, block=block, num_warps=max(1, threads // 32), staggered=staggered,
                          reciprocal_pairs=pairs)
