@@ -150,7 +150,8 @@ def numpy_double_backward(op, inputs, idx, num_segments, grad, cotangents):
     g = grad.detach().cpu().double().numpy()
     u = [c.detach().cpu().double().numpy() for c in cotangents]
     if op in ("sum", "mean"):
-        f = naive_numpy.segmented_sum_double_backward_numpy if op == "sum" else naive_numpy.segmented_mean_double_backward_numpy
+        f = (naive_numpy.segmented_sum_double_backward_numpy if op == "sum"
+             else naive_numpy.segmented_mean_double_backward_numpy)
         result = f(x, idx, num_segments, g.reshape(g.shape[0], -1), u[0].reshape(x.shape))
     elif op == "rms_norm":
         result = naive_numpy.segmented_rms_norm_double_backward_numpy(x, idx, num_segments, g, u[0].reshape(x.shape))
