@@ -113,3 +113,11 @@ def register_cap(cap: Optional[int]) -> dict:
     """Launch options capping a kernel's registers per thread at ``cap`` (``None``: the
     compiler's choice). Empty under the interpreter, which compiles nothing."""
     return {} if cap is None or INTERPRETED else {"maxnreg": cap}
+
+
+def on_kernel_device(tensor: torch.Tensor) -> bool:
+    """Whether the kernels take ``tensor``: it lives on :data:`KERNEL_DEVICE`, or on the
+    ``meta`` device (shapes only). A CPU tensor on a machine whose kernels are compiled
+    for the GPU is not: the public functions compute it through their padded PyTorch
+    stage instead (the persistent LSTM through the ``nn.LSTM`` it wraps)."""
+    return tensor.device.type == KERNEL_DEVICE or tensor.device.type == "meta"
