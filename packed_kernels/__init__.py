@@ -12,14 +12,8 @@ import importlib as _importlib
 from typing import TYPE_CHECKING
 
 from . import runtime  # must come first: it decides compile vs interpret for @triton.jit
-from .packing import (
-    Packed,
-    cu_seqlens_from_lengths,
-    pack,
-    segment_ids_from_cu_seqlens,
-    segment_ids_from_lengths,
-    unpack,
-)
+from . import packing as _packing
+from .packing import *  # noqa: F401,F403  (Packed, pack, unpack, offsets and segment ids)
 
 __version__ = "0.1.0"
 
@@ -40,24 +34,10 @@ _LAZY_NAMES = {
 if TYPE_CHECKING:  # what the lazy names below resolve to, for type checkers and IDEs
     from .ops.ctc import packed_ctc_loss
     from .ops.lstm import PersistentLSTM
-    from .ops.segment import (
-        segmented_dot,
-        segmented_matvec,
-        segmented_mean,
-        segmented_mul,
-        segmented_rms_norm,
-        segmented_sum,
-    )
+    from .ops.segment import *  # noqa: F401,F403  (the six segmented_* functions)
     from .ops.sinkhorn import sinkhorn, sinkhorn_backward
 
-__all__ = [
-    "Packed",
-    "pack",
-    "unpack",
-    "cu_seqlens_from_lengths",
-    "segment_ids_from_lengths",
-    "segment_ids_from_cu_seqlens",
-    *_LAZY_NAMES]
+__all__ = [*_packing.__all__, *_LAZY_NAMES]
 
 
 def __getattr__(name):

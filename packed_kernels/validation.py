@@ -24,6 +24,7 @@ __all__ = [
     "INDEX_DTYPES",
     "check_bool",
     "check_choice",
+    "check_dtype",
     "check_float_tensor",
     "check_index_tensor",
     "check_kernel_device",
@@ -88,9 +89,9 @@ def check_rank(name: str, value: torch.Tensor, dims: Union[int, Sequence[int]], 
         raise ValueError(f"{name} must be {wanted}; got shape {tuple(value.shape)}")
 
 
-def check_float_tensor(name: str, value, dims: Union[int, Sequence[int], None] = None,
-                       dtypes: Sequence[torch.dtype] = FLOAT_DTYPES, layout: Optional[str] = None) -> torch.Tensor:
-    """A tensor of one of ``dtypes`` (default: the floating dtypes the kernels read)."""
+def check_dtype(name: str, value, dtypes: Sequence[torch.dtype], dims: Union[int, Sequence[int], None] = None,
+                layout: Optional[str] = None) -> torch.Tensor:
+    """A tensor of one of ``dtypes`` (``TypeError`` otherwise), of rank ``dims`` if given."""
     check_tensor(name, value)
     if value.dtype not in dtypes:
         raise TypeError(f"{name} must be {_dtype_list(dtypes)}; got {value.dtype}")
@@ -99,15 +100,16 @@ def check_float_tensor(name: str, value, dims: Union[int, Sequence[int], None] =
     return value
 
 
+def check_float_tensor(name: str, value, dims: Union[int, Sequence[int], None] = None,
+                       dtypes: Sequence[torch.dtype] = FLOAT_DTYPES, layout: Optional[str] = None) -> torch.Tensor:
+    """A tensor of one of ``dtypes`` (default: the floating dtypes the kernels read)."""
+    return check_dtype(name, value, dtypes, dims, layout)
+
+
 def check_index_tensor(name: str, value, dims: Union[int, Sequence[int], None] = None,
                        layout: Optional[str] = None) -> torch.Tensor:
     """An integer tensor (int32 or int64) of offsets, lengths or ids."""
-    check_tensor(name, value)
-    if value.dtype not in INDEX_DTYPES:
-        raise TypeError(f"{name} must be int32 or int64; got {value.dtype}")
-    if dims is not None:
-        check_rank(name, value, dims, layout)
-    return value
+    return check_dtype(name, value, INDEX_DTYPES, dims, layout)
 
 
 def check_same_dtype(name: str, value: torch.Tensor, other_name: str, other: torch.Tensor) -> None:

@@ -58,45 +58,20 @@ def _lstm(I, H, layers, seed=0):
     return torch.nn.LSTM(I, H, num_layers=layers, bidirectional=True, batch_first=True).cuda().eval()
 
 
-def _cudnn(B, T, I, H, layers):
-    def factory():
-        lstm = _lstm(I, H, layers)
-        x = torch.randn(B, T, I, device="cuda")
+def _no_grad(build):
+    """A provider from ``build(B, T, I, H, layers) -> (model, input)``: the factory builds
+    both once, and the timed call is ``model(input)`` without autograd."""
 
-        def run():
-            with torch.no_grad():
-                return lstm(x)
-        return run
-    return factory
+    def provider(B, T, I, H, layers):
+        def factory():
+            model, inputs = build(B, T, I, H, layers)
 
-
-def _persistent(B, T, I, H, layers):
-    def factory():
-        from ..ops.lstm import PersistentLSTM
-
-        model = PersistentLSTM.from_torch(_lstm(I, H, layers))
-        x = torch.randn(B, T, I, device="cuda")
-
-        def run():
-            with torch.no_grad():
-                return model(x)
-        return run
-    return factory
-
-
-def _padded_stage(B, T, I, H, layers):
-    def factory():
-        from ..ops.lstm.padded_torch import lstm_padded, lstm_weights
-
-        lstm = _lstm(I, H, layers)
-        weights = lstm_weights(lstm)
-        x = torch.randn(B, T, I, device="cuda")
-
-        def run():
-            with torch.no_grad():
-                return lstm_padded(x, weights)
-        return run
-    return factory
+            def run():
+                with torch.no_grad():
+                    return model(inputs)
+            return run
+        return factory
+    return provider
 
 
 def _packed_lengths(B, T):
@@ -106,33 +81,41 @@ def _packed_lengths(B, T):
     return lengths
 
 
+@_no_grad
+def _cudnn(B, T, I, H, layers):
+    return _lstm(I, H, layers), torch.randn(B, T, I, device="cuda")
+
+
+@_no_grad
+def _persistent(B, T, I, H, layers):
+    from ..ops.lstm import PersistentLSTM
+
+    return PersistentLSTM.from_torch(_lstm(I, H, layers)), torch.randn(B, T, I, device="cuda")
+
+
+@_no_grad
+def _padded_stage(B, T, I, H, layers):
+    from ..ops.lstm.padded_torch import lstm_padded, lstm_weights
+
+    weights = lstm_weights(_lstm(I, H, layers))
+    return (lambda x: lstm_padded(x, weights)), torch.randn(B, T, I, device="cuda")
+
+
+@_no_grad
 def _cudnn_packed(B, T, I, H, layers):
-    def factory():
-        lstm = _lstm(I, H, layers)
-        padded = torch.randn(B, T, I, device="cuda")
-        seq = torch.nn.utils.rnn.pack_padded_sequence(padded, _packed_lengths(B, T), batch_first=True,
-                                                      enforce_sorted=False)
-
-        def run():
-            with torch.no_grad():
-                return lstm(seq)
-        return run
-    return factory
+    padded = torch.randn(B, T, I, device="cuda")
+    sequence = torch.nn.utils.rnn.pack_padded_sequence(padded, _packed_lengths(B, T), batch_first=True,
+                                                       enforce_sorted=False)
+    return _lstm(I, H, layers), sequence
 
 
+@_no_grad
 def _persistent_packed(B, T, I, H, layers):
-    def factory():
-        from ..ops.lstm import PersistentLSTM
-        from ..packing import pack
+    from ..ops.lstm import PersistentLSTM
+    from ..packing import pack
 
-        model = PersistentLSTM.from_torch(_lstm(I, H, layers))
-        packed = pack(torch.randn(B, T, I, device="cuda"), _packed_lengths(B, T).cuda())
-
-        def run():
-            with torch.no_grad():
-                return model(packed)
-        return run
-    return factory
+    model = PersistentLSTM.from_torch(_lstm(I, H, layers))
+    return model, pack(torch.randn(B, T, I, device="cuda"), _packed_lengths(B, T).cuda())
 
 
 def _floor_bytes(B, T, I, H, layers, frames=None):
