@@ -5,7 +5,9 @@ the forward kernels and the batch reduction (``zero_infinity`` and ``reduction``
 arguments of the operator), with a gradient formula that is one launch of the gradient
 kernel, ``packed_kernels::ctc_loss_backward``, which applies the reduction's weights
 itself. Eager calls run both as ``autograd.Function``s; traced calls (``torch.compile``,
-CUDA-graph capture, fake tensors) as the custom ops, with the same formula.
+CUDA-graph capture, fake tensors) as the custom ops, with the same formula. Tensors the
+kernels do not take (CPU tensors on a machine whose kernels are compiled for a GPU) go
+through the padded PyTorch stage instead, with the same conventions.
 """
 from __future__ import annotations
 
@@ -15,8 +17,9 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from ... import validation
+from ... import runtime, validation
 from ...dispatch import is_traced, operator
+from .padded_torch import ctc_loss_padded
 from .triton_kernels import (
     compute_dtype,
     ctc_backward_triton,
@@ -201,7 +204,6 @@ def _check_arguments(log_probs, cu_seqlens, targets, target_lengths, blank, redu
     validation.check_bool("zero_infinity", zero_infinity)
     validation.check_same_device(log_probs=log_probs, cu_seqlens=cu_seqlens, targets=targets,
                                  target_lengths=target_lengths)
-    validation.check_kernel_device("log_probs", log_probs)
     return blank
 
 
@@ -227,6 +229,58 @@ def _check_values(copies: _HostCopies, T_total: int, C: int, U: int) -> None:
     if negative_ids or large_ids:
         raise ValueError(f"targets must lie in [0, C={C}) within each target length; got "
                          f"{negative_ids + large_ids} id(s) outside that range")
+
+
+class _PyTorchGradientConvention(torch.autograd.Function):
+    """The per-utterance losses unchanged; their gradient with respect to ``log_probs``
+    gains PyTorch's extra term, so that autograd through the padded stage (the true
+    derivative, ``-g exp(gamma + nll - lp)``) gives what the kernels give::
+
+        grad[t, c] += g_b exp(lp[t, c])      (t a frame of utterance b)
+
+    and NaN where PyTorch's formula is ``exp(-inf + inf)``: every frame of an impossible
+    utterance (unless ``zero_infinity`` zeroes it) and every ``lp = -inf``."""
+
+    @staticmethod
+    def forward(nll, log_probs, utterance_of_row, zero_infinity):
+        return nll.clone()
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        nll, log_probs, utterance_of_row, zero_infinity = inputs
+        ctx.save_for_backward(nll, log_probs, utterance_of_row)
+        ctx.zero_infinity = zero_infinity
+
+    @staticmethod
+    def backward(ctx, grad_nll):
+        nll, log_probs, utterance_of_row = ctx.saved_tensors
+        extra = grad_nll[utterance_of_row, None] * log_probs.exp()
+        impossible = torch.isinf(nll)[utterance_of_row, None]
+        undefined = torch.isneginf(log_probs) | impossible
+        if ctx.zero_infinity:
+            undefined = undefined & ~impossible
+        return grad_nll, torch.where(undefined, torch.full_like(extra, float("nan")), extra), None, None
+
+
+def _padded_stage_loss(log_probs, cu_seqlens, targets, target_lengths, blank, reduction, zero_infinity,
+                       longest: int) -> Tensor:
+    """The loss through :func:`~.padded_torch.ctc_loss_padded`, for tensors the kernels do
+    not take: the same value, dtypes and gradient as the kernels. The frames are padded to
+    ``longest`` per utterance."""
+    log_probs = log_probs.to(compute_dtype(log_probs.dtype))
+    T_total, C = log_probs.shape
+    B = cu_seqlens.shape[0] - 1
+    rows = torch.arange(T_total, device=log_probs.device)
+    utterance_of_row = torch.searchsorted(cu_seqlens[1:], rows, right=True).clamp(max=max(B - 1, 0))
+    frame_of_row = (rows - cu_seqlens[utterance_of_row]).clamp(0, max(longest - 1, 0))
+    padded = log_probs.new_zeros((B, longest, C)).index_put((utterance_of_row, frame_of_row), log_probs)
+    nll = ctc_loss_padded(padded, cu_seqlens.diff(), targets, target_lengths, blank, "none", False)
+    nll = _PyTorchGradientConvention.apply(nll, log_probs, utterance_of_row, zero_infinity)
+    return _reduce(nll, target_lengths, reduction, zero_infinity)
+
+
+def _autocast_enabled(device_type: str) -> bool:
+    return torch.amp.is_autocast_available(device_type) and torch.is_autocast_enabled(device_type)
 
 
 def packed_ctc_loss(
@@ -266,14 +320,44 @@ def packed_ctc_loss(
     The padded ``(B, T, C)`` log-probabilities or gradient are never formed. The value
     checks copy ``cu_seqlens``, ``target_lengths`` and ``targets`` to the host once per
     call; on a GPU they run while the forward kernels compute. They are skipped while
-    ``torch.compile`` traces or a CUDA graph is captured. The kernels clamp every index
-    they read from these tensors, so no value can make them read or write out of bounds.
+    ``torch.compile`` traces or a CUDA graph is captured, and for ``meta`` tensors and under
+    ``FakeTensorMode`` (which infer the shapes only). The kernels clamp every index they
+    read from these tensors, so no value can make them read or write out of bounds.
+
+    Tensors the kernels do not take (CPU tensors on a machine whose kernels are compiled
+    for a GPU) are computed by the padded PyTorch stage,
+    :func:`~packed_kernels.ops.ctc.padded_torch.ctc_loss_padded`, with the same loss,
+    dtypes and gradient. Under ``torch.autocast`` for ``log_probs``' device type,
+    ``log_probs`` of a lower precision is cast to float32 first, as ``F.ctc_loss`` does
+    (the kernels compute in float32 either way). ``torch.func.grad`` works too.
+
+    Example:
+        >>> import torch
+        >>> import packed_kernels as pk
+        >>> lengths = torch.tensor([5, 3])  # frames of two utterances
+        >>> log_probs = torch.randn(8, 4).log_softmax(-1).requires_grad_()  # 8 frames, 4 classes
+        >>> targets = torch.tensor([[1, 2], [3, 0]])  # padded; blank = 0
+        >>> loss = pk.packed_ctc_loss(log_probs, pk.cu_seqlens_from_lengths(lengths), targets,
+        ...                           target_lengths=torch.tensor([2, 1]))
+        >>> loss.backward()
+        >>> loss.shape, log_probs.grad.shape
+        (torch.Size([]), torch.Size([8, 4]))
     """
     blank = _check_arguments(log_probs, cu_seqlens, targets, target_lengths, blank, reduction, zero_infinity)
+    if log_probs.dtype in (torch.float16, torch.bfloat16) and _autocast_enabled(log_probs.device.type):
+        log_probs = log_probs.float()
     # the kernels read the offsets and lengths as dense arrays (a strided view is copied once)
     cu_seqlens, target_lengths = cu_seqlens.contiguous(), target_lengths.contiguous()
-    copies = None if is_traced(log_probs, cu_seqlens, targets, target_lengths) else _HostCopies(
-        cu_seqlens, target_lengths, targets)
+    traced = is_traced(log_probs, cu_seqlens, targets, target_lengths)
+    copies = None if traced else _HostCopies(cu_seqlens, target_lengths, targets)
+    if not runtime.on_kernel_device(log_probs):
+        longest = log_probs.shape[0]  # traced: the longest utterance is not known on the host
+        if copies is not None:
+            _check_values(copies, *log_probs.shape, targets.shape[1])
+            cu = copies.wait()[0]
+            longest = int(np.diff(cu).max()) if len(cu) > 1 else 0
+        return _padded_stage_loss(log_probs, cu_seqlens, targets, target_lengths, blank, reduction,
+                                  zero_infinity, longest)
     if copies is not None and copies.done is None:
         _check_values(copies, *log_probs.shape, targets.shape[1])  # on the CPU: before any kernel
     loss = _ctc_loss(log_probs, cu_seqlens, targets, target_lengths, blank, reduction, zero_infinity)[0]

@@ -133,8 +133,12 @@ def ctc_alpha_beta_pairs_kernel(
     can_skip = label_lane & (k >= 1) & (label != label_before)
     blank_column = tl.where(backward, 2 * L - 2 * k, 2 * k)
     label_column = tl.where(backward, 2 * L - 2 * k - 1, 2 * k + 1)
-    blank_column = tl.where(blank_lane, blank_column, 0)
-    label_column = tl.where(label_lane, label_column, 0)
+    # Lanes beyond the target write -inf to the states ``2L + 1 <= s <= 2U`` (``2k`` and
+    # ``2k + 1`` in either direction), so that every entry of the state is written.
+    blank_column = tl.where(blank_lane, blank_column, 2 * k)
+    label_column = tl.where(label_lane, label_column, 2 * k + 1)
+    blank_store = k <= U
+    label_store = k < U
 
     state_ptr += direction.to(tl.int64) * stride_direction
     dtype = state_ptr.dtype.element_ty
@@ -152,8 +156,8 @@ def ctc_alpha_beta_pairs_kernel(
     blank_state = tl.where(k == 0, blank_emit, NEG_INF)
     label_state = tl.where((k == 0) & label_lane, label_emit, NEG_INF)
     out = state_ptr + first_row * stride_state
-    tl.store(out + blank_column, blank_state, mask=tl.where(has_frames, blank_lane, False))
-    tl.store(out + label_column, label_state, mask=tl.where(has_frames, label_lane, False))
+    tl.store(out + blank_column, blank_state, mask=tl.where(has_frames, blank_store, False))
+    tl.store(out + label_column, label_state, mask=tl.where(has_frames, label_store, False))
 
     # prefetch the emissions of the next two frames
     row_1 = first_row + row_step
@@ -186,8 +190,8 @@ def ctc_alpha_beta_pairs_kernel(
         blank_state = tl.where(blank_lane, new_blank, NEG_INF)
         label_state = tl.where(label_lane, new_label, NEG_INF)
         out = state_ptr + row * stride_state
-        tl.store(out + blank_column, blank_state, mask=blank_lane)
-        tl.store(out + label_column, label_state, mask=label_lane)
+        tl.store(out + blank_column, blank_state, mask=blank_store)
+        tl.store(out + label_column, label_state, mask=label_store)
 
     if direction == 0:
         final_blank = tl.max(tl.where(k == L, blank_state, NEG_INF), axis=0)
