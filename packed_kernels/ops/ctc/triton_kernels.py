@@ -417,8 +417,9 @@ def ctc_forward_config(U: int) -> CTCForwardConfig:
 
 @runtime.on_inputs_device
 def ctc_forward_triton(log_probs, cu_seqlens, targets, target_lengths, blank: int, config: CTCForwardConfig):
-    """Per-utterance losses ``nll`` (B,), the ``(2, T_total, 2U + 1)`` alpha/beta state and
-    the sorted label slots ``(labels, slots, run_starts)``, each int32 ``(B, U + 1)``.
+    """Per-utterance losses ``nll`` (B,), the ``(2, T_total, 2U + 1)`` alpha/beta state
+    (``-inf`` beyond each target's ``2L + 1`` states) and the sorted label slots
+    ``(labels, slots, run_starts)``, each int32 ``(B, U + 1)``.
 
     ``cu_seqlens`` and ``target_lengths`` must be contiguous; ``log_probs`` and
     ``targets`` may have any strides.
