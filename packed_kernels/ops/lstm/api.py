@@ -1,21 +1,26 @@
 """``PersistentLSTM``: an ``nn.LSTM`` run by one persistent Triton launch per layer.
 
-Inference only. A traced call (:func:`~packed_kernels.dispatch.is_traced`) runs each
-layer's recurrence as the custom op ``packed_kernels::lstm_recurrence``, which has no
-gradient formula; an eager call launches the kernels directly.
+The kernels compute inference only. A call that needs what they do not give (a
+gradient, autocast, a tensor off the kernel device) runs the wrapped ``nn.LSTM``
+itself. A traced call (:func:`~packed_kernels.dispatch.is_traced`) runs each layer's
+recurrence as the custom op ``packed_kernels::lstm_recurrence``, which has no gradient
+formula; an eager call launches the kernels directly.
 """
 from __future__ import annotations
 
 import dataclasses
+import os
+import sys
 import warnings
-from typing import List, Optional, Tuple, Union
+from typing import List, NamedTuple, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import Tensor
+from torch.nn.utils.rnn import PackedSequence
 
 from ... import dispatch, runtime, validation
-from ...packing import Packed, cu_seqlens_from_lengths, unpack
-from .padded_torch import lstm_padded, lstm_weights
+from ...packing import Packed, cu_seqlens_from_lengths, pack, unpack
+from .padded_torch import DirectionWeights, lstm_padded, lstm_weights
 from .triton_kernels import (
     MAX_HIDDEN,
     RecurrenceConfig,
@@ -35,6 +40,9 @@ State = Tuple[torch.Tensor, torch.Tensor]
 #: tensor cores (:func:`input_projection_triton`) rather than cuBLAS's float32 product,
 #: which does not use them; narrower rows defeat the kernel's wide loads.
 TENSOR_CORE_PROJECTION_MIN_K = 128
+
+#: The dtypes ``nn.LSTM`` takes for float32 parameters under autocast.
+AUTOCAST_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 _CONFIG_FIELDS = tuple(field.name for field in dataclasses.fields(RecurrenceConfig))
 
@@ -56,8 +64,9 @@ def lstm_recurrence_op(xw: Tensor, w_hh: Tensor, w_hh_t: Tensor, h0: Tensor, c0:
                        lengths: Tensor, row_step: int, zero_fill: bool,
                        config: list[int]) -> tuple[Tensor, Tensor, Tensor]:
     """One layer's recurrence, ``(out, h_n, c_n)``, as :func:`lstm_recurrence_triton`
-    computes it (``config``: :func:`_config_as_ints`; ``out`` is zero beyond each length
-    when ``zero_fill``). No gradient."""
+    computes it (``config``: :func:`_config_as_ints`; ``w_hh_t`` is only read with the
+    ``FOUR_GATES`` product; ``out`` is zero beyond each length when ``zero_fill``). No
+    gradient."""
     num_directions, _, hidden = w_hh.shape
     alloc = torch.zeros if zero_fill else torch.empty
     out = alloc((xw.shape[0], num_directions * hidden), dtype=torch.float32, device=xw.device)
@@ -73,12 +82,47 @@ def _(xw, w_hh, w_hh_t, h0, c0, row_start, lengths, row_step, zero_fill, config)
     return xw.new_empty((xw.shape[0], num_directions * hidden)), torch.empty_like(h0), torch.empty_like(c0)
 
 
+class LayerWeights(NamedTuple):
+    """One layer's weights as the kernels read them, every direction side by side.
+
+    ``weight_ih`` ``(D 4H, I)``; ``bias`` ``(D 4H,)`` (``b_ih + b_hh``) or ``None``;
+    ``weight_hh`` ``(D, 4H, H)``; ``weight_hh_t`` each gate's block of it transposed,
+    ``(D, 4, H, H)``, or ``None`` where the product does not read it.
+    """
+
+    weight_ih: Tensor
+    bias: Optional[Tensor]
+    weight_hh: Tensor
+    weight_hh_t: Optional[Tensor]
+
+
+def layer_weights(layer: Sequence[DirectionWeights], transposed: bool) -> LayerWeights:
+    """:class:`LayerWeights` of one layer (``layer[direction]``, the module's own
+    parameters), with ``weight_hh_t`` when ``transposed``: one copy per weight for two
+    directions, views of the parameters for one (but the summed bias and the transposed
+    blocks)."""
+    hidden = layer[0].weight_hh.shape[1]
+    if len(layer) == 1:
+        w = layer[0]
+        weight_ih, weight_hh = w.weight_ih.contiguous(), w.weight_hh.contiguous().unsqueeze(0)
+        bias = None if w.bias_ih is None else w.bias_ih + w.bias_hh
+    else:
+        weight_ih = torch.cat([w.weight_ih for w in layer])
+        weight_hh = torch.stack([w.weight_hh for w in layer])
+        bias = None if layer[0].bias_ih is None else torch.cat([w.bias_ih + w.bias_hh for w in layer])
+    weight_hh_t = None
+    if transposed:
+        weight_hh_t = torch.stack([w.weight_hh.view(4, hidden, hidden).transpose(1, 2) for w in layer])
+    return LayerWeights(weight_ih, bias, weight_hh, weight_hh_t)
+
+
 class PersistentLSTM(torch.nn.Module):
     """Inference for a ``torch.nn.LSTM``, each layer's recurrence in one Triton launch.
 
     Build it with :meth:`from_torch`. It holds the ``nn.LSTM`` it was built from
-    (as ``self.lstm``) and uses its parameters as they are at each call: nothing is
-    copied, so later updates of the module are seen.
+    (as ``self.lstm``) and reads its parameters afresh at each call: nothing is
+    cached, so every later change of them is seen, in-place ones through ``.data``
+    (checkpoint loaders, EMA updates) included.
 
     Calling it is like calling the ``nn.LSTM``:
 
@@ -92,7 +136,10 @@ class PersistentLSTM(torch.nn.Module):
     * ``model(packed)`` with a :class:`~packed_kernels.Packed` batch (``data`` ``(N,
       I)``) returns ``(Packed(y_data, cu_seqlens, lengths), (h_n, c_n))``, equal to
       ``nn.LSTM`` on the corresponding ``PackedSequence`` (any order of lengths,
-      zero-length sequences allowed: their final state is the initial one).
+      zero-length sequences allowed: they have no output rows and their final state is
+      the initial one).
+    * ``model(sequence)`` with a ``torch.nn.utils.rnn.PackedSequence`` returns
+      ``(PackedSequence, (h_n, c_n))``, like ``nn.LSTM``.
 
     Float32 only, with float32 accuracy: the recurrent sums run in IEEE float32 on
     CUDA cores for small batches, and on tensor cores with three TF32 products per
@@ -100,17 +147,43 @@ class PersistentLSTM(torch.nn.Module):
     input projections are ``torch.addmm`` (keep TF32 off for them, as PyTorch does by
     default). Outputs match ``nn.LSTM`` with TF32 off to about 1e-6.
 
-    Autograd: the Triton path computes no gradient. When a gradient is needed
-    (grad mode on and the input, the initial state or a parameter requires grad),
-    the call falls back to the padded PyTorch stage
-    (:func:`~packed_kernels.ops.lstm.padded_torch.lstm_padded`), which gives the exact
-    gradient through ordinary autograd, and warns once that it did. Run inference
-    under ``torch.no_grad()`` or ``torch.inference_mode()`` to use the kernels.
+    When the kernels do not apply, the call runs the wrapped ``nn.LSTM`` itself, with
+    the very arguments ``nn.LSTM`` would get (a ``Packed`` batch or ``lengths`` as a
+    ``PackedSequence``), so its results and gradients are ``nn.LSTM``'s:
+
+    * **autograd**: grad mode is on and the input, the initial state or a parameter
+      requires grad (the kernels compute no gradient; cuDNN on a GPU is exact and
+      fast). It warns once: run inference under ``torch.no_grad()`` or
+      ``torch.inference_mode()`` to use the kernels. In training mode the module's
+      inter-layer dropout then acts, as in ``nn.LSTM``. (A traced call with
+      ``lengths`` runs the padded PyTorch stage,
+      :func:`~packed_kernels.ops.lstm.padded_torch.lstm_padded`, instead: a
+      ``PackedSequence`` needs the lengths on the host.)
+    * **autocast** enabled for the input's device type: ``nn.LSTM``'s dtypes and
+      values under autocast (float16 and bfloat16 inputs are then accepted). It warns
+      once.
+    * **a tensor off the kernel device**: a CPU tensor on a machine whose kernels are
+      compiled for the GPU (silently).
 
     Not supported (``ValueError`` or ``TypeError`` from :meth:`from_torch` or the
     call): ``proj_size > 0``; ``hidden_size`` above 512 (the recurrent weights must
-    fit on chip); ``dropout > 0`` while in training mode (inter-layer dropout only
-    acts in training; call ``.eval()``); parameters not float32.
+    fit on chip); ``dropout > 0`` in training mode on the kernels (inter-layer dropout
+    only acts in training; call ``.eval()``); parameters not float32.
+
+    Example:
+        >>> import torch
+        >>> from packed_kernels import PersistentLSTM, pack
+        >>> lstm = torch.nn.LSTM(4, 8, bidirectional=True, batch_first=True).eval()
+        >>> model = PersistentLSTM.from_torch(lstm)
+        >>> x = torch.randn(3, 5, 4)  # with a GPU: lstm.cuda() and x.cuda()
+        >>> with torch.inference_mode():
+        ...     y, (h_n, c_n) = model(x)
+        ...     out, _ = model(pack(x, [5, 2, 4]))  # 11 frames, no padding
+        ...     ref, _ = lstm(x)
+        >>> tuple(y.shape), tuple(h_n.shape), tuple(out.data.shape)
+        ((3, 5, 16), (2, 3, 8), (11, 16))
+        >>> torch.allclose(y, ref, atol=1e-5)
+        True
     """
 
     def __init__(self, lstm: torch.nn.LSTM, config: Optional[RecurrenceConfig] = None):
@@ -122,13 +195,30 @@ class PersistentLSTM(torch.nn.Module):
         #: Override of the kernel configuration (``None``: :func:`choose_config` per shape and device).
         self.config = config
         self.train(lstm.training)
-        self._prepared_key = None
-        self._prepared: List[Tuple[torch.Tensor, ...]] = []
-        self._warned_fallback = False
+        self._warned: set = set()
 
     @classmethod
     def from_torch(cls, lstm: torch.nn.LSTM, config: Optional[RecurrenceConfig] = None) -> "PersistentLSTM":
-        """Wrap an ``nn.LSTM`` (any layers, directions, bias, ``batch_first``, sizes)."""
+        """Wrap an ``nn.LSTM`` (any layers, directions, bias, ``batch_first``, sizes).
+
+        ``config`` fixes the kernels' :class:`RecurrenceConfig` for every layer (``None``:
+        :func:`choose_config` picks one per call from the shape and the device).
+
+        Example:
+            >>> import torch
+            >>> from packed_kernels import PersistentLSTM
+            >>> lstm = torch.nn.LSTM(4, 8, batch_first=True).eval()
+            >>> model = PersistentLSTM.from_torch(lstm)
+            >>> model.lstm is lstm  # the module itself, not a copy
+            True
+            >>> x = torch.randn(2, 3, 4)
+            >>> with torch.no_grad():
+            ...     _ = lstm.weight_hh_l0.mul_(0.5)  # later changes of the weights are seen
+            ...     y, _ = model(x)
+            ...     ref, _ = lstm(x)
+            >>> torch.allclose(y, ref, atol=1e-5)
+            True
+        """
         return cls(lstm, config)
 
     @property
@@ -140,7 +230,7 @@ class PersistentLSTM(torch.nn.Module):
 
     def forward(
         self,
-        input: Union[torch.Tensor, Packed],
+        input: Union[torch.Tensor, Packed, PackedSequence],
         hx: Optional[State] = None,
         *,
         lengths: Optional[torch.Tensor] = None,
@@ -150,62 +240,65 @@ class PersistentLSTM(torch.nn.Module):
         Args:
             input: float32 ``(B, T, I)`` if ``batch_first`` else ``(T, B, I)``, or
                 ``(T, I)`` unbatched, or a :class:`~packed_kernels.Packed` with
-                ``data`` ``(N, I)``.
+                ``data`` ``(N, I)``, or a ``PackedSequence``.
             hx: optional ``(h0, c0)``, each float32 ``(num_layers D, B, H)`` (``(num_layers
                 D, H)`` unbatched); zeros when ``None``.
             lengths: optional integer ``(B,)`` for a padded input, each in ``[0, T]``.
 
         Returns:
             ``(output, (h_n, c_n))``: ``output`` has the input's layout with ``D H``
-            features (a ``Packed`` for a packed input; zeros beyond each length for a
-            padded one with ``lengths``); ``h_n``, ``c_n`` are ``(num_layers D, B, H)``.
+            features (a ``Packed`` or a ``PackedSequence`` for such an input; zeros
+            beyond each length for a padded one with ``lengths``); ``h_n``, ``c_n`` are
+            ``(num_layers D, B, H)``.
         """
         lstm = self.lstm
         _check_module(lstm)
-        if self.training and lstm.dropout > 0 and lstm.num_layers > 1:
-            raise ValueError(
-                f"PersistentLSTM runs inference: the nn.LSTM has dropout={lstm.dropout} between layers, "
-                "which only acts in training mode; call .eval() first"
-            )
         params = list(lstm.parameters())
+        if isinstance(input, PackedSequence):
+            if lengths is not None:
+                raise ValueError("lengths must not be given with a PackedSequence input: it carries its own")
+            return self._forward_packed_sequence(input, hx, params)
         if isinstance(input, Packed):
             if lengths is not None:
                 raise ValueError("lengths must not be given with a Packed input: it carries its own")
             return self._forward_packed(input, hx, params)
-        if isinstance(input, torch.nn.utils.rnn.PackedSequence):
-            raise TypeError(
-                "input is a torch PackedSequence; pass a packed_kernels.Packed instead "
-                "(packed_kernels.pack(padded, lengths))"
-            )
         if not isinstance(input, torch.Tensor):
-            raise TypeError(f"input must be a torch.Tensor or a packed_kernels.Packed; got {type(input).__name__}")
+            raise TypeError("input must be a torch.Tensor, a packed_kernels.Packed or a PackedSequence; "
+                            f"got {type(input).__name__}")
         validation.check_rank("input", input, (3, 2),
                               f"{'(B, T, I)' if lstm.batch_first else '(T, B, I)'} or (T, I) unbatched")
         unbatched = input.dim() == 2
         x = input.unsqueeze(0) if unbatched else (input if lstm.batch_first else input.transpose(0, 1))
         batch, steps = x.shape[0], x.shape[1]
         self._check_data("input", x, params)
-        hx = self._check_state(hx, batch, "input", x, unbatched)
+        state = self._check_state(hx, batch, "input", x, unbatched)
         traced = dispatch.is_traced(x)
         if lengths is not None:
             if unbatched:
                 raise ValueError("lengths needs a batched input")
             lengths = _check_lengths(lengths, batch, steps, x.device, traced)
-        if self._needs_autograd(x, hx, params):
-            y, state = self._fallback(x, hx, lengths)  # batch first
-            if not (lstm.batch_first or unbatched):
-                y = y.transpose(0, 1)
-        else:
-            time_major = not (lstm.batch_first or unbatched)
-            rows = (input if time_major else x).reshape(batch * steps, lstm.input_size)
-            y, state = self._run_kernels(rows, batch, steps, hx, lengths, time_major, params, traced)
+        if self._runs_module(x, state, params):
+            if lengths is None:
+                return lstm(input, None if hx is None else tuple(hx))
+            if traced:
+                if self.training and lstm.dropout > 0 and lstm.num_layers > 1:
+                    raise ValueError("a traced call with lengths runs the padded PyTorch stage, which has no "
+                                     f"dropout; the nn.LSTM has dropout={lstm.dropout}: call .eval() first")
+                y, state = lstm_padded(x, lstm_weights(lstm), lengths, *(state or (None, None)))
+            else:
+                out, state = self._module_on_packed(pack(x, lengths), state)
+                y = unpack(out, total_length=steps)
+            return (y if lstm.batch_first else y.transpose(0, 1)), state
+        time_major = not (lstm.batch_first or unbatched)
+        rows = (input if time_major else x).reshape(batch * steps, lstm.input_size)
+        y, state = self._run_kernels(rows, batch, steps, state, lengths, time_major, traced)
         if unbatched:
             return y[0], (state[0][:, 0], state[1][:, 0])
         return y, state
 
-    # -- the two paths ---------------------------------------------------------------
+    # -- the kernels -----------------------------------------------------------------
 
-    def _run_kernels(self, x_rows, batch, steps, hx, lengths, time_major, params, traced):
+    def _run_kernels(self, x_rows, batch, steps, hx, lengths, time_major, traced):
         """``x_rows`` ``(B T, I)``: row ``b T + t`` (batch first) or ``t B + b`` (time major)."""
         device = x_rows.device
         if lengths is None:
@@ -216,7 +309,7 @@ class PersistentLSTM(torch.nn.Module):
             row_start, row_step = torch.arange(batch, dtype=torch.int64, device=device), batch
         else:
             row_start, row_step = torch.arange(batch, dtype=torch.int64, device=device) * steps, 1
-        y, state = self._layers(x_rows, row_start, row_step, lengths32, hx, batch, params, traced,
+        y, state = self._layers(x_rows, row_start, row_step, lengths32, hx, batch, traced,
                                 zero_fill=lengths is not None, sort=lengths is not None)
         features = self.num_directions * self.lstm.hidden_size
         y = y.view(steps, batch, features) if time_major else y.view(batch, steps, features)
@@ -247,23 +340,40 @@ class PersistentLSTM(torch.nn.Module):
                     f"packed.data has {data.shape[0]} rows but packed.lengths sum to {int(expected[-1])}"
                 )
         hx = self._check_state(hx, batch, "packed.data", data, False)
-        if self._needs_autograd(data, hx, params):
-            padded = unpack(packed)
-            y, state = self._fallback(padded, hx, lengths)
-            mask = torch.arange(padded.shape[1], device=data.device)[None, :] < lengths[:, None]
-            return Packed(y[mask], cu_seqlens, lengths), state
-        y, state = self._layers(data, cu_seqlens[:-1].to(torch.int64), 1, lengths.to(torch.int32), hx, batch,
-                                params, traced, zero_fill=False, sort=True)
-        return Packed(y, cu_seqlens, lengths), state
+        if self._runs_module(data, hx, params):
+            return self._module_on_packed(packed, hx)
+        return self._run_packed_kernels(packed, hx, traced)
 
-    def _layers(self, x_rows, row_start, row_step, lengths32, hx, batch, params, traced, zero_fill, sort):
+    def _run_packed_kernels(self, packed: Packed, hx, traced):
+        y, state = self._layers(packed.data, packed.cu_seqlens[:-1].to(torch.int64), 1,
+                                packed.lengths.to(torch.int32), hx, packed.lengths.numel(), traced,
+                                zero_fill=False, sort=True)
+        return Packed(y, packed.cu_seqlens, packed.lengths), state
+
+    def _forward_packed_sequence(self, sequence: PackedSequence, hx, params):
+        data, batch_sizes = sequence.data, sequence.batch_sizes
+        validation.check_rank("input.data", data, 2, "(N, input_size)")
+        self._check_data("input.data", data, params)
+        batch = int(batch_sizes[0]) if batch_sizes.numel() else 0
+        state = self._check_state(hx, batch, "input.data", data, False)
+        if self._runs_module(data, state, params):
+            return self.lstm(sequence, None if hx is None else tuple(hx))
+        rows, lengths = _packed_rows(batch_sizes, sequence.sorted_indices, data.device)
+        packed = Packed(data.new_empty(data.shape).index_copy_(0, rows, data), cu_seqlens_from_lengths(lengths),
+                        lengths)
+        out, state = self._run_packed_kernels(packed, state, dispatch.is_traced(data))
+        return PackedSequence(out.data[rows], batch_sizes, sequence.sorted_indices,
+                              sequence.unsorted_indices), state
+
+    def _layers(self, x_rows, row_start, row_step, lengths32, hx, batch, traced, zero_fill, sort):
         lstm = self.lstm
         D, H = self.num_directions, lstm.hidden_size
         device = x_rows.device
         n_states = lstm.num_layers * D
         config = self.config
-        if config is None:  # (an empty batch launches nothing: any configuration will do)
-            config = choose_config(max(batch, 1), H, D, device, frames=x_rows.shape[0])
+        if config is None:
+            config = choose_config(batch, H, D, device, frames=x_rows.shape[0])
+        transposed = config.product == RecurrentProduct.FOUR_GATES
         if traced:
             config_ints = _config_as_ints(config)
             h_layers, c_layers = [], []
@@ -283,7 +393,10 @@ class PersistentLSTM(torch.nn.Module):
             row_start, lengths32 = row_start[order], lengths32[order]
             h0, c0 = h0[:, order].contiguous(), c0[:, order].contiguous()
         layer_input = x_rows.contiguous()
-        for layer, (w_ih, bias, w_hh, w_hh_t) in enumerate(self._prepare(params)):
+        for layer, directions in enumerate(lstm_weights(lstm)):
+            # Read from the parameters at every call: an in-place change through .data
+            # leaves no trace (no version bump) that a cache could check.
+            w_ih, bias, w_hh, w_hh_t = layer_weights(directions, transposed)
             # One product for every frame and both directions: columns d * 4H + gate * H + unit.
             if runtime.INTERPRETED or layer_input.shape[1] < TENSOR_CORE_PROJECTION_MIN_K:
                 xw = layer_input @ w_ih.T if bias is None else torch.addmm(bias, layer_input, w_ih.T)
@@ -292,7 +405,8 @@ class PersistentLSTM(torch.nn.Module):
             states = slice(layer * D, (layer + 1) * D)
             if traced:
                 out, h_layer, c_layer = lstm_recurrence_op.custom_op(
-                    xw, w_hh, w_hh_t, h0[states], c0[states], row_start, lengths32, row_step, zero_fill, config_ints)
+                    xw, w_hh, w_hh if w_hh_t is None else w_hh_t, h0[states], c0[states], row_start, lengths32,
+                    row_step, zero_fill, config_ints)
                 h_layers.append(h_layer)
                 c_layers.append(c_layer)
             else:
@@ -308,41 +422,58 @@ class PersistentLSTM(torch.nn.Module):
             c_n = torch.empty_like(c_n).index_copy_(1, order, c_n)
         return layer_input, (h_n, c_n)
 
-    def _prepare(self, params):
-        """Per layer: ``W_ih`` of all directions ``(D 4H, I)``, summed biases ``(D 4H,)``,
-        ``W_hh`` ``(D, 4H, H)`` and each gate's block of it transposed, ``(D, 4, H, H)``.
+    # -- the wrapped nn.LSTM ---------------------------------------------------------
 
-        Cached until a parameter (of ``params``, the module's) changes: its storage or its
-        in-place version counter.
-        """
-        key = tuple((p.data_ptr(), p._version, p.device) for p in params)
-        if key != self._prepared_key:
-            prepared = []
-            with torch.no_grad():
-                for layer in lstm_weights(self.lstm):
-                    w_ih = torch.cat([w.weight_ih for w in layer]).contiguous()
-                    bias = None
-                    if layer[0].bias_ih is not None:
-                        bias = torch.cat([w.bias_ih + w.bias_hh for w in layer]).contiguous()
-                    w_hh = torch.stack([w.weight_hh for w in layer]).contiguous()
-                    H = w_hh.shape[2]
-                    w_hh_t = w_hh.view(len(layer), 4, H, H).transpose(2, 3).contiguous()
-                    prepared.append((w_ih, bias, w_hh, w_hh_t))
-            self._prepared, self._prepared_key = prepared, key
-        return self._prepared
-
-    def _fallback(self, x_batch_first, hx, lengths):
-        if not self._warned_fallback:
-            warnings.warn(
-                "PersistentLSTM: a gradient is needed, so this call runs the padded PyTorch stage "
-                "(differentiable, but one small product per time step) instead of the Triton kernels, "
-                "which are inference-only; use torch.no_grad() or torch.inference_mode() for inference",
-                UserWarning,
-                stacklevel=3,
+    def _runs_module(self, data, hx, params) -> bool:
+        """Whether this call runs the wrapped ``nn.LSTM`` rather than the kernels; says
+        why, once per reason."""
+        if not runtime.on_kernel_device(data):
+            return True  # a CPU tensor where the kernels are compiled for the GPU
+        if _autocast_enabled(data.device.type):
+            self._say_once("autocast", f"autocast is enabled for {data.device.type}, so this call runs the wrapped "
+                           "nn.LSTM, which gives nn.LSTM's dtypes and values under autocast; the Triton kernels "
+                           "compute in float32, outside autocast")
+            return True
+        if self._needs_autograd(data, hx, params):
+            self._say_once("autograd", "a gradient is needed (grad mode is on and the input, the initial state or "
+                           "a parameter requires grad), so this call runs the wrapped nn.LSTM (exact gradients; "
+                           "cuDNN on a GPU) instead of the inference-only Triton kernels; run inference under "
+                           "torch.no_grad() or torch.inference_mode() to use the kernels")
+            return True
+        lstm = self.lstm
+        if self.training and lstm.dropout > 0 and lstm.num_layers > 1:
+            raise ValueError(
+                f"PersistentLSTM runs inference: the nn.LSTM has dropout={lstm.dropout} between layers, "
+                "which only acts in training mode; call .eval() first"
             )
-            self._warned_fallback = True
-        return lstm_padded(x_batch_first, lstm_weights(self.lstm), lengths,
-                           None if hx is None else hx[0], None if hx is None else hx[1])
+        return False
+
+    def _say_once(self, reason: str, message: str) -> None:
+        if reason not in self._warned:
+            self._warned.add(reason)
+            warnings.warn(f"PersistentLSTM: {message}", UserWarning, stacklevel=_stacklevel_of_caller())
+
+    def _module_on_packed(self, packed: Packed, hx) -> Tuple[Packed, State]:
+        """The wrapped ``nn.LSTM`` on the ``PackedSequence`` of ``packed``. A
+        ``PackedSequence`` holds no empty sequence: those are left out of the call, have
+        no output rows, and keep their initial state."""
+        lstm, lengths = self.lstm, packed.lengths
+        nonempty = torch.nonzero(lengths > 0).flatten()
+        if nonempty.numel() == lengths.numel() and lengths.numel():
+            out, state = lstm(packed.to_packed_sequence(), hx)
+            return Packed(_packed_data(out), packed.cu_seqlens, lengths), state
+        if hx is None:
+            shape = (lstm.num_layers * self.num_directions, lengths.numel(), lstm.hidden_size)
+            hx = (packed.data.new_zeros(shape), packed.data.new_zeros(shape))
+        if nonempty.numel() == 0:  # nothing for nn.LSTM to run
+            y = packed.data.new_empty((0, self.num_directions * lstm.hidden_size))
+            return Packed(y, packed.cu_seqlens, lengths), (hx[0].clone(), hx[1].clone())
+        kept_lengths = lengths[nonempty]
+        kept = Packed(packed.data, cu_seqlens_from_lengths(kept_lengths), kept_lengths)
+        out, (h_kept, c_kept) = lstm(kept.to_packed_sequence(), (hx[0][:, nonempty], hx[1][:, nonempty]))
+        h_n = hx[0].to(h_kept.dtype).index_copy(1, nonempty, h_kept)
+        c_n = hx[1].to(c_kept.dtype).index_copy(1, nonempty, c_kept)
+        return Packed(_packed_data(out), packed.cu_seqlens, lengths), (h_n, c_n)
 
     # -- checks ----------------------------------------------------------------------
 
@@ -355,7 +486,8 @@ class PersistentLSTM(torch.nn.Module):
 
     def _check_data(self, name, x, params):
         lstm = self.lstm
-        validation.check_float_tensor(name, x, dtypes=(torch.float32,))
+        dtypes = AUTOCAST_DTYPES if _autocast_enabled(x.device.type) else (torch.float32,)
+        validation.check_float_tensor(name, x, dtypes=dtypes)
         if x.shape[-1] != lstm.input_size:
             raise ValueError(
                 f"{name} must have {lstm.input_size} features (the nn.LSTM's input_size) in its last "
@@ -364,9 +496,6 @@ class PersistentLSTM(torch.nn.Module):
         if x.device != params[0].device:
             raise ValueError(f"{name} must be on the device of the nn.LSTM's parameters ({params[0].device}); "
                              f"got {x.device}")
-        needs_grad = self._needs_autograd(x, None, params)
-        if not needs_grad:
-            validation.check_kernel_device(name, x)
 
     def _check_state(self, hx, batch, x_name, x, unbatched):
         if hx is None:
@@ -376,14 +505,65 @@ class PersistentLSTM(torch.nn.Module):
         lstm = self.lstm
         expected = (lstm.num_layers * self.num_directions, lstm.hidden_size) if unbatched else (
             lstm.num_layers * self.num_directions, batch, lstm.hidden_size)
+        dtypes = AUTOCAST_DTYPES if _autocast_enabled(x.device.type) else (torch.float32,)
         checked = []
         for name, t in zip(("h0", "c0"), hx):
-            validation.check_float_tensor(name, t, dtypes=(torch.float32,))
+            validation.check_float_tensor(name, t, dtypes=dtypes)
             if tuple(t.shape) != expected:
                 raise ValueError(f"{name} must have shape {expected}; got {tuple(t.shape)}")
             validation.check_same_device(**{x_name: x, name: t})
             checked.append(t.unsqueeze(1) if unbatched else t)
         return tuple(checked)
+
+
+def _autocast_enabled(device_type: str) -> bool:
+    try:
+        return torch.is_autocast_enabled(device_type)
+    except RuntimeError:  # a device type without autocast (meta)
+        return False
+
+
+_INNER_FILES = (os.path.dirname(os.path.dirname(os.path.dirname(__file__))), os.path.dirname(torch.nn.__file__))
+
+
+def _stacklevel_of_caller() -> int:
+    """The ``stacklevel`` of the first frame outside the package and ``torch.nn`` (the
+    user's call of the module), as warnings.warn counts from this function's caller."""
+    frame, level = sys._getframe(1), 1
+    while frame is not None and frame.f_code.co_filename.startswith(_INNER_FILES):
+        frame, level = frame.f_back, level + 1
+    return level
+
+
+def _packed_data(sequence: PackedSequence) -> Tensor:
+    """The rows of ``sequence`` in the order of a :class:`Packed` batch (sequence after
+    sequence, in their original order); differentiable."""
+    rows, _ = _packed_rows(sequence.batch_sizes, sequence.sorted_indices, sequence.data.device)
+    return sequence.data.new_empty(sequence.data.shape).index_copy(0, rows, sequence.data)
+
+
+def _packed_rows(batch_sizes: Tensor, sorted_indices: Optional[Tensor], device) -> Tuple[Tensor, Tensor]:
+    """For a ``PackedSequence`` layout (``batch_sizes``, ``sorted_indices``): the row of a
+    :class:`Packed` batch of the same sequences (in their original order) that each of
+    its rows holds, and the length of each sequence.
+
+    Row ``r`` of the ``PackedSequence`` is time step ``t`` of the sequence of rank ``k``
+    (``k``-th longest), ``sorted_indices[k]``; ties in length are in whatever order
+    ``sorted_indices`` says.
+    """
+    batch_sizes = batch_sizes.to(torch.int64)
+    batch = int(batch_sizes[0]) if batch_sizes.numel() else 0
+    ranks = torch.arange(batch, dtype=torch.int64)
+    sorted_lengths = (batch_sizes[None, :] > ranks[:, None]).sum(1)
+    step_of_row = torch.repeat_interleave(torch.arange(batch_sizes.numel()), batch_sizes)
+    rank_of_row = torch.arange(step_of_row.numel()) - (torch.cumsum(batch_sizes, 0) - batch_sizes)[step_of_row]
+    if sorted_indices is None:
+        sorted_indices = ranks.to(device)
+    lengths = torch.empty(batch, dtype=torch.int64, device=device).index_copy_(
+        0, sorted_indices, sorted_lengths.to(device))
+    starts = cu_seqlens_from_lengths(lengths).to(torch.int64)
+    rows = starts[sorted_indices[rank_of_row.to(device)]] + step_of_row.to(device)
+    return rows, lengths
 
 
 def _check_module(lstm) -> None:

@@ -668,9 +668,10 @@ def choose_config(batch: int, hidden: int, num_directions: int, device: torch.de
     full 128 multiply-adds a thread) as one launch of 16-row tensor-core programs, which
     wait on the step counter (a thread holds 16 words of ``h``: too many to vote on).
     """
+    batch = max(batch, 1)  # an empty batch launches nothing: the configuration of one row will do
     if runtime.INTERPRETED or device.type != "cuda":
         # The interpreter runs programs one after another: no cross-program waits.
-        return RecurrenceConfig(programs_per_tile=1, rows_per_tile=min(runtime.next_power_of_2(max(batch, 1)), 16),
+        return RecurrenceConfig(programs_per_tile=1, rows_per_tile=min(runtime.next_power_of_2(batch), 16),
                                 product=RecurrentProduct.ROW_SUMS, wait=StepWait.CTA_BARRIER, num_warps=4)
     # The L2 prefetch pays off when most projected inputs would come from DRAM (they
     # fill more than half of L2).
@@ -714,7 +715,10 @@ def _gpu_config(batch: int, hidden: int, num_directions: int, sms: int, inputs_s
                 wait=StepWait.TAGGED_WORDS if k > 1 else StepWait.CTA_BARRIER, num_warps=num_warps,
                 prefetch_steps=2 if block_b == 1 else 1))  # two steps ahead for one-row tiles
     if best is None:
-        raise ValueError(f"hidden_size={hidden} is too large for the persistent kernels (at most {MAX_HIDDEN})")
+        if hidden > MAX_HIDDEN:
+            raise ValueError(f"hidden_size={hidden} is too large for the persistent kernels (at most {MAX_HIDDEN})")
+        raise ValueError(f"hidden_size={hidden} with {num_directions} direction(s) needs more SMs than the GPU's "
+                         f"{sms}: the persistent kernels split W_hh over programs resident at once")
     launches, work = best[0][:2]
     config = _ptx_poll(best[1], block_h)
     if block_h <= 128 and best[1].programs_per_tile > 1 and 1 < launches <= 3:
