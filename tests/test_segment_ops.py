@@ -1,9 +1,12 @@
 """Segment operations: the Triton stage against the float64 NumPy loops and the padded
-PyTorch stage, both derivative orders, determinism, compile, and bad input."""
+PyTorch stage, both derivative orders, lower precisions, launch configurations,
+strides and determinism. The inputs they accept and refuse are tested in
+``test_segment_inputs.py``; compile, torch.func, meta and fake tensors, opcheck, autocast
+and CPU tensors on a GPU machine in ``test_segment_transforms.py``; the inputs and
+references they share are in ``segment_cases.py``."""
 import dataclasses
 import zlib
 
-import numpy as np
 import pytest
 import torch
 
@@ -13,6 +16,17 @@ from packed_kernels.ops.segment import api, naive_numpy, padded_torch
 from packed_kernels.ops.segment import triton_kernels as tk
 
 from assertions import assert_close
+from segment_cases import (
+    OPS,
+    PADDED,
+    PUBLIC,
+    applicable,
+    make_idx,
+    make_inputs,
+    numpy_backward,
+    numpy_double_backward,
+    numpy_forward,
+)
 
 # (lengths, extra empty segments after the last index): empty segments in the middle,
 # at the start and at the end, length-1 segments, one single segment.
@@ -25,20 +39,6 @@ LAYOUTS = [
 LAYOUT_IDS = ["L3-0-5-1-7-2+2", "L0-0-4-3", "L1x5+1", "L11"]
 WIDTHS = [None, 3, 5]
 WIDTH_IDS = ["scalar", "D3", "D5"]
-OPS = ["sum", "mean", "dot", "mul", "mul_broadcast", "rms_norm", "matvec"]
-
-PUBLIC = {
-    "sum": pk.segmented_sum, "mean": pk.segmented_mean, "dot": pk.segmented_dot,
-    "mul": pk.segmented_mul, "mul_broadcast": pk.segmented_mul,
-    "rms_norm": pk.segmented_rms_norm, "matvec": pk.segmented_matvec,
-}
-PADDED = {
-    "sum": padded_torch.segmented_sum_padded, "mean": padded_torch.segmented_mean_padded,
-    "dot": padded_torch.segmented_dot_padded, "mul": padded_torch.segmented_mul_padded,
-    "mul_broadcast": padded_torch.segmented_mul_padded, "rms_norm": padded_torch.segmented_rms_norm_padded,
-    "matvec": padded_torch.segmented_matvec_padded,
-}
-
 #: Chunks of 4 rows for the scan kernel, and of 2 rows per lane, 8 rows (4 lanes) per
 #: chunk for the in-order kernel of sum and mean, and blocks of 2 partials in the combine
 #: pass: short segments lie inside a chunk (written by the first pass), long ones cross
@@ -57,117 +57,6 @@ def launched_with(config):
 
 
 IN_SMALL_CHUNKS = launched_with(SMALL_CHUNKS)
-
-
-def make_idx(lengths, device):
-    idx = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths, dtype=torch.long))
-    return idx.to(device=device, dtype=torch.int32)
-
-
-def applicable(op, width):
-    if op == "matvec" and width is None:
-        return False
-    if op == "mul_broadcast" and width is None:
-        return False
-    return True
-
-
-def make_inputs(op, n_rows, num_segments, width, dtype, device, seed):
-    """The differentiable inputs of ``op`` (x first), on fresh random values."""
-    g = torch.Generator().manual_seed(seed)
-    row_shape = (n_rows,) if width is None else (n_rows, width)
-    seg_shape = (num_segments,) if width is None else (num_segments, width)
-
-    def rand(*shape):
-        return torch.randn(shape, generator=g, dtype=torch.float64).to(device=device, dtype=dtype)
-
-    x = rand(*row_shape)
-    if op in ("sum", "mean", "rms_norm"):
-        return (x,)
-    if op == "dot":
-        return (x, rand(*row_shape))
-    if op == "mul":
-        return (x, rand(*seg_shape))
-    if op == "mul_broadcast":
-        return (x, rand(num_segments))
-    if op == "matvec":
-        return (x, rand(num_segments, width, 4))  # a non-square m: (S, D, K = 4)
-    raise AssertionError(op)
-
-
-def as_rows(a):
-    a = a.detach().cpu().double().numpy()
-    return a.reshape(a.shape[0], 1) if a.ndim == 1 else a
-
-
-def numpy_forward(op, inputs, idx, num_segments):
-    arrays = [as_rows(t) if t.dim() <= 2 else t.detach().cpu().double().numpy() for t in inputs]
-    idx = idx.cpu().numpy()
-    if op == "sum":
-        out = naive_numpy.segmented_sum_numpy(arrays[0], idx, num_segments)
-    elif op == "mean":
-        out = naive_numpy.segmented_mean_numpy(arrays[0], idx, num_segments)
-    elif op == "dot":
-        return naive_numpy.segmented_dot_numpy(arrays[0], arrays[1], idx, num_segments)
-    elif op == "mul":
-        out = naive_numpy.segmented_mul_numpy(arrays[0], arrays[1], idx, num_segments)
-    elif op == "mul_broadcast":
-        out = naive_numpy.segmented_mul_numpy(arrays[0], arrays[1], idx, num_segments)
-    elif op == "rms_norm":
-        return naive_numpy.segmented_rms_norm_numpy(arrays[0], idx, num_segments)
-    else:
-        return naive_numpy.segmented_matvec_numpy(arrays[0], arrays[1], idx, num_segments)
-    return out.reshape((out.shape[0],) + tuple(inputs[0].shape[1:]))
-
-
-def numpy_backward(op, inputs, idx, num_segments, grad):
-    """Hand-derived first derivatives, shaped like the inputs."""
-    x = as_rows(inputs[0])
-    idx = idx.cpu().numpy()
-    g = grad.detach().cpu().double().numpy()
-    if op in ("sum", "mean"):
-        g = g.reshape(g.shape[0], -1)
-        f = naive_numpy.segmented_sum_backward_numpy if op == "sum" else naive_numpy.segmented_mean_backward_numpy
-        grads = (f(x, idx, num_segments, g),)
-    elif op == "rms_norm":
-        grads = (naive_numpy.segmented_rms_norm_backward_numpy(x, idx, num_segments, g),)
-    elif op == "dot":
-        grads = naive_numpy.segmented_dot_backward_numpy(x, as_rows(inputs[1]), idx, num_segments, g)
-    elif op in ("mul", "mul_broadcast"):
-        y = inputs[1].detach().cpu().double().numpy()
-        y = y.reshape(y.shape[0], 1) if (op == "mul" and y.ndim == 1) else y
-        grads = naive_numpy.segmented_mul_backward_numpy(x, y, idx, num_segments, g.reshape(x.shape))
-    else:
-        grads = naive_numpy.segmented_matvec_backward_numpy(
-            x, inputs[1].detach().cpu().double().numpy(), idx, num_segments, g)
-    return [np.asarray(a).reshape(t.shape) for a, t in zip(grads, inputs)]
-
-
-def numpy_double_backward(op, inputs, idx, num_segments, grad, cotangents):
-    """Hand-derived second derivatives: (d/d inputs..., d/d grad)."""
-    x = as_rows(inputs[0])
-    idx = idx.cpu().numpy()
-    g = grad.detach().cpu().double().numpy()
-    u = [c.detach().cpu().double().numpy() for c in cotangents]
-    if op in ("sum", "mean"):
-        f = (naive_numpy.segmented_sum_double_backward_numpy if op == "sum"
-             else naive_numpy.segmented_mean_double_backward_numpy)
-        result = f(x, idx, num_segments, g.reshape(g.shape[0], -1), u[0].reshape(x.shape))
-    elif op == "rms_norm":
-        result = naive_numpy.segmented_rms_norm_double_backward_numpy(x, idx, num_segments, g, u[0].reshape(x.shape))
-    elif op == "dot":
-        result = naive_numpy.segmented_dot_double_backward_numpy(
-            x, as_rows(inputs[1]), idx, num_segments, g, u[0].reshape(x.shape), u[1].reshape(x.shape))
-    elif op in ("mul", "mul_broadcast"):
-        y = inputs[1].detach().cpu().double().numpy()
-        y = y.reshape(y.shape[0], 1) if (op == "mul" and y.ndim == 1) else y
-        result = naive_numpy.segmented_mul_double_backward_numpy(
-            x, y, idx, num_segments, g.reshape(x.shape), u[0].reshape(x.shape), u[1].reshape(y.shape))
-    else:
-        result = naive_numpy.segmented_matvec_double_backward_numpy(
-            x, inputs[1].detach().cpu().double().numpy(), idx, num_segments, g, u[0], u[1])
-    shapes = [t.shape for t in inputs] + [grad.shape]
-    return [np.asarray(a).reshape(shape) for a, shape in zip(result, shapes)]
 
 
 def op_widths(widths, width_ids):
@@ -394,187 +283,9 @@ def test_bitwise_deterministic(device):
         assert torch.equal(a, b), f"result {k} differs between two identical runs"
 
 
-def test_eager_calls_take_the_autograd_functions_and_traced_calls_the_custom_operators(device):
-    """Eager calls (every derivative order) run as ``autograd.Function``s, with less host
-    work; a call under a dispatch mode, as in ``torch.compile``'s tracing, takes the
-    custom operator, and its backward formulas call custom operators too."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    idx = make_idx([2, 0, 3], device)
-    x = torch.randn(5, 3, dtype=torch.float64).to(device).requires_grad_()
-    out = pk.segmented_mean(x, idx, 3)
-    assert "Eager_segment_mean" in type(out.grad_fn).__name__
-    (grad,) = torch.autograd.grad(out.square().sum(), x, create_graph=True)
-    assert "Eager_segment_gather_over_count" in type(grad.grad_fn).__name__
-
-    class Recorder(TorchDispatchMode):
-        def __init__(self):
-            super().__init__()
-            self.ops = []
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            self.ops.append(str(func))
-            return func(*args, **(kwargs or {}))
-
-    (second,) = torch.autograd.grad(grad.square().sum(), x)
-    with Recorder() as seen:
-        traced = pk.segmented_mean(x, idx, 3)
-        (traced_grad,) = torch.autograd.grad(traced.square().sum(), x, create_graph=True)
-        (traced_second,) = torch.autograd.grad(traced_grad.square().sum(), x)
-    assert any("packed_kernels.segment_mean" in op for op in seen.ops), seen.ops
-    assert any("packed_kernels.segment_gather_over_count" in op for op in seen.ops), seen.ops
-    assert torch.equal(traced, out)
-    assert torch.equal(traced_grad, grad)
-    assert torch.equal(traced_second, second)
-
-
-def test_mean_writes_counts_only_for_autograd(device):
-    """The row counts that mean's gradient divides by are written only when autograd can
-    ask for them; the mean itself is the same bitwise either way, and gradients of every
-    order (the third one divides by counts written inside the second) match autograd
-    through the padded stage in float64."""
-    lengths = [3, 0, 6, 1, 9]
-    idx = make_idx(lengths, device)
-    S = len(lengths) + 1
-    x = torch.randn(idx.shape[0], 3, dtype=torch.float64).to(device)
-    out, counts = api.segment_mean_op(x, idx, S, False, None)
-    assert counts.numel() == 0
-    out_counted, counts = api.segment_mean_op(x, idx, S, True, None)
-    assert torch.equal(out, out_counted)
-    assert counts.tolist() == lengths + [0]
-    assert torch.equal(pk.segmented_mean(x, idx, S), out)
-    with torch.no_grad():
-        assert torch.equal(pk.segmented_mean(x.clone().requires_grad_(), idx, S), out)
-
-    gen = torch.Generator().manual_seed(1)
-    g0 = torch.randn(S, 3, dtype=torch.float64, generator=gen).to(device)
-    v0 = torch.randn(x.shape, dtype=torch.float64, generator=gen).to(device)
-
-    def third_order(mean, x):
-        x, g, v = (t.clone().requires_grad_() for t in (x, g0, v0))
-        first = torch.autograd.grad(mean(x, idx, S), x, g, create_graph=True)[0]
-        second = torch.autograd.grad(first, g, v, create_graph=True)[0]
-        third = torch.autograd.grad(second, v, torch.ones_like(second))[0]
-        return first, second, third
-
-    for k, (a, b) in enumerate(zip(third_order(pk.segmented_mean, x), third_order(padded_torch.segmented_mean_padded, x))):
-        assert_close(f"mean derivative {k + 1}", a, b, atol=1e-12, rtol=1e-12)
-
-
-@pytest.mark.parametrize("op", OPS)
-def test_compile_fullgraph_forward_and_backward_match_eager(op, device):
-    torch._dynamo.reset()
-    width = 3
-    lengths = [4, 0, 7, 2]
-    idx = make_idx(lengths, device)
-    num_segments = 5
-    inputs = [t.requires_grad_() for t in make_inputs(op, idx.shape[0], num_segments, width,
-                                                      torch.float64, device, seed=5)]
-
-    def step(*args):
-        out = PUBLIC[op](*args, idx, num_segments)
-        return (out * out).sum()
-
-    # aot_eager traces forward and backward exactly as inductor does (the custom operators
-    # stay opaque); inductor's code generation is exercised on the GPU for two ops.
-    backend = "inductor" if (not runtime.INTERPRETED and op in ("sum", "matvec")) else "aot_eager"
-    compiled = torch.compile(step, fullgraph=True, backend=backend)
-    loss = compiled(*inputs)
-    grads = torch.autograd.grad(loss, inputs)
-    eager_loss = step(*inputs)
-    eager_grads = torch.autograd.grad(eager_loss, inputs)
-    assert_close(f"{op} compiled loss", loss, eager_loss, atol=1e-12, rtol=1e-12)
-    for k, (a, b) in enumerate(zip(grads, eager_grads)):
-        assert_close(f"{op} compiled d/input{k}", a, b, atol=1e-12, rtol=1e-12)
-
-
-# --- bad input ---------------------------------------------------------------------------
-
-def _good(device):
-    return torch.randn(5, 3, device=device), make_idx([2, 3], device)
-
-
-@pytest.mark.parametrize(
-    "case, error, message",
-    [
-        ("idx int64", TypeError, "idx must be int32; got torch.int64"),
-        ("idx 2-D", ValueError, "idx must be 1-D"),
-        ("idx negative", ValueError, "idx must be >= 0"),
-        ("idx too large", ValueError, "idx must be < num_segments"),
-        ("idx unsorted", ValueError, "idx must be sorted"),
-        ("idx short", ValueError, "idx must have one entry per row"),
-        ("x int", TypeError, "x must be float16, bfloat16, float32 or float64; got torch.int64"),
-        ("x 3-D", ValueError, "x must be 1-D or 2-D"),
-        ("num_segments float", TypeError, "num_segments must be a Python int"),
-        ("num_segments negative", ValueError, "num_segments must be >= 0"),
-    ],
-)
-def test_bad_input_sum(case, error, message, device):
-    x, idx = _good(device)
-    num_segments = 3
-    if case == "idx int64":
-        idx = idx.long()
-    elif case == "idx 2-D":
-        idx = idx[:, None]
-    elif case == "idx negative":
-        idx = idx - 1
-    elif case == "idx too large":
-        num_segments = 1
-    elif case == "idx unsorted":
-        idx = idx.flip(0)
-    elif case == "idx short":
-        idx = idx[:4]
-    elif case == "x int":
-        x = x.long()
-    elif case == "x 3-D":
-        x = x[:, :, None]
-    elif case == "num_segments float":
-        num_segments = 3.0
-    elif case == "num_segments negative":
-        num_segments = -1
-    with pytest.raises(error, match=message):
-        pk.segmented_sum(x, idx, num_segments)
-
-
-def test_bad_input_other_ops(device):
-    x, idx = _good(device)
-    with pytest.raises(ValueError, match="y must have the shape of x"):
-        pk.segmented_dot(x, x[:, :2], idx, 2)
-    with pytest.raises(TypeError, match="y must have the dtype of x"):
-        pk.segmented_dot(x, x.double(), idx, 2)
-    with pytest.raises(ValueError, match=r"y must have num_segments \(3\) rows"):
-        pk.segmented_mul(x, torch.randn(2, 3, device=device), idx, 3)
-    with pytest.raises(ValueError, match="y must have shape"):
-        pk.segmented_mul(x, torch.randn(2, 4, device=device), idx, 2)
-    with pytest.raises(ValueError, match=r"m must have num_segments \(3\) matrices"):
-        pk.segmented_matvec(x, torch.randn(2, 3, 3, device=device), idx, 3)
-    with pytest.raises(ValueError, match="m must have shape"):
-        pk.segmented_matvec(x, torch.randn(2, 2, 3, device=device), idx, 2)
-    with pytest.raises(ValueError, match="v must be 2-D"):
-        pk.segmented_matvec(x[:, 0], torch.randn(2, 3, 3, device=device), idx, 2)
-    with pytest.raises(ValueError, match="m must be 3-D"):
-        pk.segmented_matvec(x, torch.randn(2, 9, device=device), idx, 2)
-    with pytest.raises(ValueError, match="idx must be < num_segments"):
-        pk.segmented_rms_norm(x, idx, 1)
-    with pytest.raises(TypeError, match="idx must be a torch.Tensor"):
-        pk.segmented_mean(x, [0, 0, 1, 1, 1], 2)
-
-
-def test_bad_input_devices(device):
-    x, idx = _good(device)
-    other = "meta"
-    with pytest.raises(ValueError, match="idx must be on"):
-        pk.segmented_sum(x, idx.to(other), 2)
-    with pytest.raises(ValueError, match="m must be on"):
-        pk.segmented_matvec(x, torch.randn(2, 3, 3, device=other), idx, 2)
-    if not runtime.INTERPRETED:
-        with pytest.raises(ValueError, match="x must be a cuda tensor"):
-            pk.segmented_sum(x.cpu(), idx.cpu(), 2)
-
-
 # --- GPU only: the compiled kernels at sizes the interpreter cannot reach -----------------
 
-@pytest.mark.skipif(runtime.INTERPRETED, reason="large sizes: compiled kernels on a GPU only")
+@pytest.mark.gpu_only
 @pytest.mark.parametrize("mean_length", [1, 10, 10_000, 1_000_000], ids=lambda n: f"len{n}")
 @pytest.mark.parametrize("width", [None, 3], ids=["scalar", "D3"])
 def test_large_against_index_add(mean_length, width, device):
@@ -596,7 +307,7 @@ def test_large_against_index_add(mean_length, width, device):
     assert torch.equal(a, b)
 
 
-@pytest.mark.skipif(runtime.INTERPRETED, reason="16-byte lane loads: compiled kernels on a GPU only")
+@pytest.mark.gpu_only
 @pytest.mark.parametrize("width", [None, 3], ids=["scalar", "D3"])
 def test_lane_loads_aligned_unaligned_and_half(width, device):
     """The in-order pass reads a lane's rows with 16-byte loads only from 16-byte aligned
@@ -618,7 +329,7 @@ def test_lane_loads_aligned_unaligned_and_half(width, device):
         assert_close(f"mean, {label}", pk.segmented_mean(x, idx, num_segments), reference / counts, atol=tol, rtol=tol)
 
 
-@pytest.mark.skipif(runtime.INTERPRETED, reason="large sizes: compiled kernels on a GPU only")
+@pytest.mark.gpu_only
 @pytest.mark.parametrize("mean_length", [10, 10_000], ids=lambda n: f"len{n}")
 def test_large_all_ops_both_orders_deterministic_and_close(mean_length, device):
     """At a million rows (many chunks, long segments crossing hundreds of them): every op,
@@ -651,9 +362,10 @@ def test_large_all_ops_both_orders_deterministic_and_close(mean_length, device):
             assert_close(f"{op} d/input{k} at 1M rows", a, b, atol=1e-5 * (float(b.abs().max()) + 1.0), rtol=1e-4)
 
 
-@pytest.mark.skipif(runtime.INTERPRETED, reason="CUDA graph capture needs a GPU")
+@pytest.mark.gpu_only
 def test_cuda_graph_capture_skips_host_checks():
     idx = make_idx([3, 0, 500, 1], "cuda")
+    idx64 = idx.long()
     x = torch.randn(idx.shape[0], 3, device="cuda")
     pk.segmented_sum(x, idx, 4)  # compile outside the capture
     pk.segmented_mean(x, idx, 4)
@@ -661,8 +373,10 @@ def test_cuda_graph_capture_skips_host_checks():
     with torch.cuda.graph(graph):
         out = pk.segmented_sum(x, idx, 4)
         mean = pk.segmented_mean(x, idx, 4)
+        out64 = pk.segmented_sum(x, idx64, 4)  # the int64 idx converted inside the graph
     x.normal_()
     graph.replay()
     torch.cuda.synchronize()
     assert_close("captured sum", out, padded_torch.segmented_sum_padded(x, idx, 4), atol=1e-5, rtol=1e-5)
     assert_close("captured mean", mean, padded_torch.segmented_mean_padded(x, idx, 4), atol=1e-5, rtol=1e-5)
+    assert torch.equal(out64, out)

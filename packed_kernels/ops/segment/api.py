@@ -1,12 +1,29 @@
 """The public segment operations: checked arguments, then the Triton operators.
 
-Rows ``x[i]`` belong to segment ``idx[i]``; ``idx`` is int32, sorted, in
-``[0, num_segments)``. A segment with no rows gives 0 (also for ``mean`` and
-``rms_norm``, whose gradient there is 0 too). Inputs may be float16, bfloat16
-(computed in float32), float32 or float64; outputs and gradients have the input's
-dtype. All six are differentiable twice (the second derivative in eager mode), usable
-inside ``torch.compile(fullgraph=True)`` (forward and first backward), and
-deterministic: no atomics, the same inputs give bitwise the same results.
+Rows ``x[i]`` belong to segment ``idx[i]``; ``idx`` is int32 or int64 (what
+``repeat_interleave``, PyG and torch_scatter give; converted to int32 once, so the kernels
+are the same either way), sorted, in ``[0, num_segments)``. A segment with no rows gives
+0 (also for ``mean`` and ``rms_norm``, whose gradient there is 0 too). Inputs may be
+float16, bfloat16 (computed in float32), float32 or float64; outputs and gradients have
+the input's dtype, and two inputs of different dtypes are promoted to
+``torch.promote_types`` of them. All six are differentiable twice (the second
+derivative in eager mode), usable inside ``torch.compile(fullgraph=True)`` (forward and
+first backward), and deterministic: no atomics, the same inputs give bitwise the same
+results.
+
+Where they run:
+
+* ``torch.autocast`` leaves them alone, as it leaves ``index_add`` and ``scatter_add``:
+  they compute in the dtype of their (promoted) inputs (run the backward outside
+  autocast, as PyTorch advises: the padded stage's is made of PyTorch ops).
+* ``torch.func.grad`` and ``torch.func.vjp`` work, also nested (``grad`` of ``grad``);
+  ``torch.func.vmap`` (and ``jacrev``, made of it) does not: the kernels read memory,
+  not batched tensors, and a clear error says so.
+* ``meta`` tensors and ``FakeTensorMode`` infer the output shapes and dtypes without
+  running a kernel.
+* Tensors the kernels do not take (CPU tensors on a machine whose kernels are compiled
+  for a GPU) are computed by the padded PyTorch stage (:mod:`.padded_torch`), with the
+  same results, dtypes and gradients of both orders (through autograd).
 
 The Triton kernels are :class:`~packed_kernels.dispatch.Operator` s (custom ops under
 ``packed_kernels::segment_*`` and their eager twins). Each takes and returns 2-D tensors
@@ -38,6 +55,7 @@ a whole chain of derivatives with a small one; the public functions pass ``None`
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import json
@@ -46,16 +64,17 @@ from typing import Optional
 import torch
 from torch import Tensor
 
+from ... import runtime
 from ...dispatch import is_traced, operator
 from ...validation import (
     check_float_tensor,
-    check_kernel_device,
+    check_index_tensor,
     check_rank,
     check_same_device,
-    check_same_dtype,
     check_tensor,
     integer_argument,
 )
+from . import padded_torch
 from . import triton_kernels as tk
 
 __all__ = [
@@ -69,6 +88,11 @@ __all__ = [
 
 
 # --- argument checks ------------------------------------------------------------------------
+
+#: ``idx`` of int64 is converted to the int32 the kernels read: its rows and segments
+#: must be counted in int32.
+_INT32_LIMIT = 2 ** 31
+
 
 def _check_rows(name: str, value, dims) -> None:
     """A floating tensor of one of ``dims`` ranks, without empty trailing dimensions."""
@@ -84,55 +108,70 @@ def _check_num_segments(num_segments) -> int:
     return num_segments
 
 
-def _check_idx(idx, n_rows: int, num_segments: int, rows_name: str) -> None:
-    """``idx``: int32, 1-D, one entry per row, sorted, each in ``[0, num_segments)``.
+def _check_not_batched(**tensors) -> None:
+    """``torch.func.vmap`` cannot run the kernels on a batch of inputs (they read memory,
+    not batched tensors): say so, and what to do instead."""
+    if torch.compiler.is_compiling() or not torch._C._are_functorch_transforms_active():
+        return
+    functorch = torch._C._functorch
+    for name, value in tensors.items():
+        while functorch.is_functorch_wrapped_tensor(value):
+            if functorch.is_batchedtensor(value):
+                raise NotImplementedError(
+                    f"{name} is batched by torch.func.vmap, which the segment operations do not support; "
+                    "concatenate the batch along the rows instead (one set of segments per example)")
+            value = functorch.get_unwrapped(value)
 
-    The value checks read ``idx`` on the host (one synchronisation); they are skipped
-    while ``torch.compile`` traces or a CUDA graph is captured.
+
+def _check_idx(idx, n_rows: int, num_segments: int, rows_name: str) -> Tensor:
+    """``idx``: int32 or int64, 1-D, one entry per row, sorted, each in ``[0, num_segments)``.
+
+    Returns ``idx`` as the int32 tensor the kernels read: an int64 ``idx`` is converted
+    once, after its values were checked (a value beyond int32 would wrap). The value
+    checks read ``idx`` on the host (one synchronisation); they are skipped while
+    ``torch.compile`` traces or a CUDA graph is captured, for ``meta`` tensors and under
+    ``FakeTensorMode``.
     """
-    check_tensor("idx", idx)
-    if idx.dtype != torch.int32:
-        raise TypeError(f"idx must be int32; got {idx.dtype}")
+    check_index_tensor("idx", idx)
     check_rank("idx", idx, 1)
     if idx.shape[0] != n_rows:
         raise ValueError(f"idx must have one entry per row of {rows_name} ({n_rows}); got {idx.shape[0]} entries")
-    if n_rows == 0 or is_traced():
-        return
-    descending = (idx[1:] < idx[:-1]).sum() if n_rows > 1 else idx.new_zeros(())
-    low, high = torch.aminmax(idx)
-    low, high, unsorted = torch.stack([low, high, descending.to(torch.int32)]).tolist()
-    if low < 0:
-        raise ValueError(f"idx must be >= 0; got a minimum of {low}")
-    if high >= num_segments:
-        raise ValueError(f"idx must be < num_segments ({num_segments}); got a maximum of {high}")
-    if unsorted:
-        raise ValueError(f"idx must be sorted in non-decreasing order; {unsorted} entries are smaller than the one before")
+    if idx.dtype == torch.int64:
+        if n_rows >= _INT32_LIMIT:
+            raise ValueError(f"idx of int64 must have fewer than 2**31 entries (the kernels count rows in int32); "
+                             f"got {n_rows}")
+        if num_segments >= _INT32_LIMIT:
+            raise ValueError(f"num_segments must be < 2**31 for an int64 idx (the kernels read int32 segment ids); "
+                             f"got {num_segments}")
+    if n_rows > 0 and not is_traced(idx):
+        descending = (idx[1:] < idx[:-1]).sum() if n_rows > 1 else idx.new_zeros(())
+        low, high = torch.aminmax(idx)
+        low, high, unsorted = torch.stack([low, high, descending.to(idx.dtype)]).tolist()
+        if low < 0:
+            raise ValueError(f"idx must be >= 0; got a minimum of {low}")
+        if high >= num_segments:
+            raise ValueError(f"idx must be < num_segments ({num_segments}); got a maximum of {high}")
+        if unsorted:
+            raise ValueError(f"idx must be sorted in non-decreasing order; {unsorted} entries are smaller "
+                             "than the one before")
+    return idx.to(torch.int32)
 
 
-def _check_one_input(x, idx, num_segments) -> int:
-    """The checks of ``sum``, ``mean`` and ``rms_norm``; returns ``num_segments`` as an int."""
-    num_segments = _check_num_segments(num_segments)
-    _check_rows("x", x, (1, 2))
-    _check_devices(x=x, idx=idx)
-    _check_idx(idx, x.shape[0], num_segments, "x")
-    return num_segments
+def _check_segments(idx, num_segments: int, rows_name: str, **tensors) -> Tensor:
+    """The checks every operation shares once its tensors' own are done: every argument on
+    one device, none batched by ``vmap``, and ``idx`` (returned as int32) indexing the rows
+    of ``tensors[rows_name]``."""
+    check_tensor("idx", idx)
+    check_same_device(**tensors, idx=idx)
+    _check_not_batched(**tensors, idx=idx)
+    return _check_idx(idx, tensors[rows_name].shape[0], num_segments, rows_name)
 
 
-def _check_pair(rows_name: str, rows, name: str, value, idx, num_segments: int) -> None:
-    """The checks of the two-input operations after their shapes: ``value`` has the dtype
-    and device of ``rows``, and ``idx`` indexes the rows."""
-    check_same_dtype(name, value, rows_name, rows)
-    _check_devices(**{rows_name: rows, name: value, "idx": idx})
-    _check_idx(idx, rows.shape[0], num_segments, rows_name)
-
-
-def _check_devices(**tensors) -> None:
-    """Every argument a tensor, all on one device, and that device the kernels' own."""
-    for name, value in tensors.items():
-        check_tensor(name, value)
-    check_same_device(**tensors)
-    name, first = next(iter(tensors.items()))
-    check_kernel_device(name, first)
+def _promoted(x: Tensor, y: Tensor) -> tuple[Tensor, Tensor]:
+    """Both operands in ``torch.promote_types`` of their dtypes (bfloat16 with float32 is
+    float32), as PyTorch's binary operations promote; the cast is differentiable."""
+    dtype = torch.promote_types(x.dtype, y.dtype)
+    return x.to(dtype), y.to(dtype)
 
 
 # --- the launch configuration, as the operators take it -------------------------------------
@@ -203,7 +242,8 @@ segment_gather_op.register_autograd(_gather_backward, setup_context=_save_idx_an
 
 def needs_counts(x: Tensor) -> bool:
     """Whether autograd will need the row counts of a ``mean`` of ``x`` (its backward
-    divides by them). Without a gradient the forward skips writing them."""
+    divides by them). Without a gradient the forward skips writing them; a backward that
+    finds them missing counts the rows itself, so this choice only saves work."""
     return torch.is_grad_enabled() and x.requires_grad
 
 
@@ -240,8 +280,10 @@ def _mean_setup(ctx, inputs, output):
 def _mean_backward(ctx, grad, _grad_counts):
     idx, counts = ctx.saved_tensors
     if counts.shape[0] != grad.shape[0]:
-        raise RuntimeError("segment mean: the row counts its gradient needs were not written "
-                           "(segment_mean_op was called with with_counts=False)")
+        # The forward skipped the counts (autograd looked unneeded: a call without
+        # with_counts, as a tracer or opcheck may make): count the rows now.
+        rows = grad.new_zeros((idx.shape[0], 1))
+        counts = segment_mean_op.within(ctx)(rows, idx, grad.shape[0], True, ctx.config)[1]
     return segment_gather_over_count_op.within(ctx)(grad, idx, counts, ctx.config), None, None, None, None
 
 
@@ -485,56 +527,143 @@ UNCHECKED = {"sum": _sum, "mean": _mean, "dot": _dot, "mul": _mul, "rms_norm": _
 
 # --- the public functions ---------------------------------------------------------------------
 
-def segmented_sum(x: torch.Tensor, idx: torch.Tensor, num_segments: int) -> torch.Tensor:
+def _padded_stage(stage, *tensors, idx: Tensor, num_segments: int) -> Tensor:
+    """``stage`` (a function of :mod:`.padded_torch`) for tensors the kernels do not take:
+    the same result and dtype as the kernels (float16 and bfloat16 computed in float32),
+    differentiable to any order by autograd, and, as the kernels, left alone by autocast."""
+    dtype = tensors[0].dtype
+    compute = torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
+    device_type = tensors[0].device.type
+    no_autocast = (torch.autocast(device_type, enabled=False) if torch.amp.is_autocast_available(device_type)
+                   else contextlib.nullcontext())
+    with no_autocast:
+        return stage(*(t.to(compute) for t in tensors), idx, num_segments).to(dtype)
+
+
+#: The padded stage of each operation, for :func:`_run`.
+_PADDED_STAGES = {
+    "sum": padded_torch.segmented_sum_padded, "mean": padded_torch.segmented_mean_padded,
+    "dot": padded_torch.segmented_dot_padded, "mul": padded_torch.segmented_mul_padded,
+    "rms_norm": padded_torch.segmented_rms_norm_padded, "matvec": padded_torch.segmented_matvec_padded,
+}
+
+
+def _run(operation: str, *tensors, idx: Tensor, num_segments: int) -> Tensor:
+    """The checked ``operation`` on the kernels, or on the padded stage for tensors the
+    kernels do not take."""
+    if runtime.on_kernel_device(tensors[0]):
+        return UNCHECKED[operation](*tensors, idx, num_segments)
+    return _padded_stage(_PADDED_STAGES[operation], *tensors, idx=idx, num_segments=num_segments)
+
+
+def _one_input(operation: str, x, idx, num_segments) -> Tensor:
+    """``sum``, ``mean`` and ``rms_norm``: their checks, then :func:`_run`."""
+    num_segments = _check_num_segments(num_segments)
+    _check_rows("x", x, (1, 2))
+    idx = _check_segments(idx, num_segments, "x", x=x)
+    return _run(operation, x, idx=idx, num_segments=num_segments)
+
+
+def segmented_sum(x: Tensor, idx: Tensor, num_segments: int) -> Tensor:
     """Per-segment sum: ``out[s] = sum_{i: idx[i] = s} x[i]``.
 
     Args:
-        x: ``(N,)`` or ``(N, D)``.
-        idx: int32 ``(N,)``, sorted, in ``[0, num_segments)``.
+        x: ``(N,)`` or ``(N, D)``; float16, bfloat16, float32 or float64.
+        idx: int32 or int64 ``(N,)``, sorted, in ``[0, num_segments)``: the segment of
+            each row (:func:`~packed_kernels.segment_ids_from_lengths` builds it from
+            segment lengths). An int64 ``idx`` is converted to int32 once (``N`` and
+            ``num_segments`` must then be below ``2**31``).
         num_segments: ``S``; segments without rows give 0.
 
     Returns:
         ``(S,)`` for ``(N,)`` input, ``(S, D)`` for ``(N, D)``; ``x``'s dtype.
+
+    As all six segment operations: differentiable twice, ``torch.func.grad`` included;
+    on ``meta`` tensors and under ``FakeTensorMode``, the output's shape and dtype
+    without a kernel; ``torch.autocast`` leaves it alone, as it leaves ``index_add``
+    (it computes in the input's dtype); CPU tensors on a machine whose kernels are
+    compiled for a GPU are computed by the padded PyTorch stage, with the same results,
+    dtypes and gradients.
+
+    Example:
+        >>> import torch
+        >>> import packed_kernels as pk
+        >>> idx = pk.segment_ids_from_lengths([2, 0, 3])  # rows 0-1, none, rows 2-4
+        >>> pk.segmented_sum(torch.arange(5.0), idx, 3)
+        tensor([1., 0., 9.])
     """
-    return _sum(x, idx, _check_one_input(x, idx, num_segments))
+    return _one_input("sum", x, idx, num_segments)
 
 
-def segmented_mean(x: torch.Tensor, idx: torch.Tensor, num_segments: int) -> torch.Tensor:
+def segmented_mean(x: Tensor, idx: Tensor, num_segments: int) -> Tensor:
     """Per-segment mean: ``out[s] = sum_{i in s} x[i] / n_s`` (0 for an empty segment).
 
-    Shapes as :func:`segmented_sum`: ``(S,)`` or ``(S, D)``.
+    Arguments and shapes as :func:`segmented_sum`: ``(S,)`` or ``(S, D)``.
+
+    Autograd, ``torch.func``, meta tensors, autocast and CPU tensors: as :func:`segmented_sum`.
+
+    Example:
+        >>> import torch
+        >>> import packed_kernels as pk
+        >>> idx = torch.tensor([0, 0, 2, 2, 2])  # int64, as repeat_interleave gives it
+        >>> pk.segmented_mean(torch.arange(5.0), idx, 3)
+        tensor([0.5000, 0.0000, 3.0000])
     """
-    return _mean(x, idx, _check_one_input(x, idx, num_segments))
+    return _one_input("mean", x, idx, num_segments)
 
 
-def segmented_dot(x: torch.Tensor, y: torch.Tensor, idx: torch.Tensor, num_segments: int) -> torch.Tensor:
+def segmented_dot(x: Tensor, y: Tensor, idx: Tensor, num_segments: int) -> Tensor:
     """Per-segment sum of row dot products: ``out[s] = sum_{i in s} <x[i], y[i]>``.
 
     Args:
-        x, y: both ``(N,)`` or both ``(N, D)``, one dtype.
+        x, y: both ``(N,)`` or both ``(N, D)``. Of two dtypes, both are promoted to
+            ``torch.promote_types`` of them (bfloat16 with float32 computes in float32).
+        idx, num_segments: as :func:`segmented_sum`.
 
     Returns:
-        ``(S,)``.
+        ``(S,)``, in the promoted dtype.
+
+    Autograd, ``torch.func``, meta tensors, autocast and CPU tensors: as :func:`segmented_sum`.
+
+    Example:
+        >>> import torch
+        >>> import packed_kernels as pk
+        >>> x = torch.tensor([[1.0, 2.0], [3.0, 4.0], [5.0, 6.0]])
+        >>> pk.segmented_dot(x, x, pk.segment_ids_from_lengths([2, 1]), 2)
+        tensor([30., 61.])
     """
     num_segments = _check_num_segments(num_segments)
     _check_rows("x", x, (1, 2))
     _check_rows("y", y, (1, 2))
     if y.shape != x.shape:
         raise ValueError(f"y must have the shape of x {tuple(x.shape)}; got {tuple(y.shape)}")
-    _check_pair("x", x, "y", y, idx, num_segments)
-    return _dot(x, y, idx, num_segments)
+    idx = _check_segments(idx, num_segments, "x", x=x, y=y)
+    return _run("dot", *_promoted(x, y), idx=idx, num_segments=num_segments)
 
 
-def segmented_mul(x: torch.Tensor, y: torch.Tensor, idx: torch.Tensor, num_segments: int) -> torch.Tensor:
+def segmented_mul(x: Tensor, y: Tensor, idx: Tensor, num_segments: int) -> Tensor:
     """Scale each row by its segment's row of ``y``: ``out[i] = x[i] * y[idx[i]]``.
 
     Args:
         x: ``(N,)`` or ``(N, D)``.
         y: ``(S,) + x.shape[1:]`` (elementwise), or ``(S,)`` with a 2-D ``x`` (one
-            factor per segment, broadcast over the row).
+            factor per segment, broadcast over the row). Of two dtypes, both are
+            promoted to ``torch.promote_types`` of them.
+        idx, num_segments: as :func:`segmented_sum`.
 
     Returns:
-        ``x``'s shape and dtype.
+        ``x``'s shape, in the promoted dtype.
+
+    Autograd, ``torch.func``, meta tensors, autocast and CPU tensors: as :func:`segmented_sum`.
+
+    Example:
+        >>> import torch
+        >>> import packed_kernels as pk
+        >>> scale = torch.tensor([10.0, -1.0])  # one factor per segment
+        >>> pk.segmented_mul(torch.ones(3, 2), scale, pk.segment_ids_from_lengths([1, 2]), 2)
+        tensor([[10., 10.],
+                [-1., -1.],
+                [-1., -1.]])
     """
     num_segments = _check_num_segments(num_segments)
     _check_rows("x", x, (1, 2))
@@ -544,31 +673,60 @@ def segmented_mul(x: torch.Tensor, y: torch.Tensor, idx: torch.Tensor, num_segme
     if y.shape[1:] != x.shape[1:] and y.dim() != 1:
         raise ValueError(f"y must have shape {(num_segments,) + tuple(x.shape[1:])} or ({num_segments},); "
                          f"got {tuple(y.shape)}")
-    _check_pair("x", x, "y", y, idx, num_segments)
-    return _mul(x, y, idx, num_segments)
+    idx = _check_segments(idx, num_segments, "x", x=x, y=y)
+    return _run("mul", *_promoted(x, y), idx=idx, num_segments=num_segments)
 
 
-def segmented_rms_norm(x: torch.Tensor, idx: torch.Tensor, num_segments: int) -> torch.Tensor:
+def segmented_rms_norm(x: Tensor, idx: Tensor, num_segments: int) -> Tensor:
     """Per-segment root mean square of the rows' norms: ``r[s] = sqrt(sum_{i in s} |x[i]|^2 / n_s)``.
 
     An empty segment, or one whose rows are all zero, gives 0 with a zero gradient
-    (the true gradient at 0 is undefined).
+    (the true gradient at 0 is undefined). Arguments as :func:`segmented_sum`.
+
+    The squares are summed as they are, without rescaling: float16, bfloat16 and float32
+    rows (summed in float32) whose squared norms pass float32's largest value, about
+    ``3.4e38`` (entries of about ``1.8e19`` and up), give ``inf``, where a float64
+    reference gives a finite RMS. Pass such rows in float64 (finite up to about
+    ``1e154``).
 
     Returns:
-        ``(S,)``.
+        ``(S,)``; ``x``'s dtype.
+
+    Autograd, ``torch.func``, meta tensors, autocast and CPU tensors: as :func:`segmented_sum`.
+
+    Example:
+        >>> import torch
+        >>> import packed_kernels as pk
+        >>> x = torch.tensor([[3.0, 4.0], [0.0, 0.0], [1.0, 1.0]])  # norms 5, 0, sqrt(2)
+        >>> pk.segmented_rms_norm(x, pk.segment_ids_from_lengths([2, 1]), 2)  # sqrt(25 / 2), sqrt(2)
+        tensor([3.5355, 1.4142])
     """
-    return _rms_norm(x, idx, _check_one_input(x, idx, num_segments))
+    return _one_input("rms_norm", x, idx, num_segments)
 
 
-def segmented_matvec(v: torch.Tensor, m: torch.Tensor, idx: torch.Tensor, num_segments: int) -> torch.Tensor:
+def segmented_matvec(v: Tensor, m: Tensor, idx: Tensor, num_segments: int) -> Tensor:
     """Multiply each row by its segment's transposed matrix: ``out[i] = m[idx[i]]^T @ v[i]``.
 
     Args:
         v: ``(N, D)`` (``D = 3`` for positions and forces).
-        m: ``(S, D, K)`` (``(S, 3, 3)`` for a cell or a rotation per molecule).
+        m: ``(S, D, K)`` (``(S, 3, 3)`` for a cell or a rotation per molecule). Of two
+            dtypes, both are promoted to ``torch.promote_types`` of them.
+        idx, num_segments: as :func:`segmented_sum`.
 
     Returns:
-        ``(N, K)``; ``out[i, k] = sum_j m[idx[i], j, k] v[i, j]``.
+        ``(N, K)``, in the promoted dtype; ``out[i, k] = sum_j m[idx[i], j, k] v[i, j]``.
+
+    Autograd, ``torch.func``, meta tensors, autocast and CPU tensors: as :func:`segmented_sum`.
+
+    Example:
+        >>> import torch
+        >>> import packed_kernels as pk
+        >>> swap = torch.tensor([[0.0, 1.0], [1.0, 0.0]])
+        >>> m = torch.stack([torch.eye(2), swap])  # one matrix per segment
+        >>> v = torch.tensor([[1.0, 2.0], [1.0, 2.0]])
+        >>> pk.segmented_matvec(v, m, pk.segment_ids_from_lengths([1, 1]), 2)
+        tensor([[1., 2.],
+                [2., 1.]])
     """
     num_segments = _check_num_segments(num_segments)
     _check_rows("v", v, (2,))
@@ -578,5 +736,5 @@ def segmented_matvec(v: torch.Tensor, m: torch.Tensor, idx: torch.Tensor, num_se
     if m.shape[1] != v.shape[1]:
         raise ValueError(f"m must have shape ({num_segments}, {v.shape[1]}, K) to match v's {v.shape[1]} "
                          f"columns; got {tuple(m.shape)}")
-    _check_pair("v", v, "m", m, idx, num_segments)
-    return _matvec(v, m, idx, num_segments)
+    idx = _check_segments(idx, num_segments, "v", v=v, m=m)
+    return _run("matvec", *_promoted(v, m), idx=idx, num_segments=num_segments)
