@@ -78,11 +78,15 @@ def test_opcheck_ctc_loss(device, reduction, zero_infinity):
                           (x, batch.cu_seqlens, batch.targets, batch.target_lengths, 0, reduction, zero_infinity))
 
 
-@pytest.mark.parametrize("reduction, zero_infinity", OPCHECK_OPTIONS, ids=OPCHECK_IDS)
-def test_opcheck_ctc_loss_backward(device, reduction, zero_infinity):
-    """``packed_kernels::ctc_loss_backward`` on what the forward op saves for it."""
+@pytest.mark.parametrize("reduction, zero_infinity, dtype", [
+    (*options, dtype) for options, dtype in zip(OPCHECK_OPTIONS, (torch.float32, torch.float32, torch.bfloat16))],
+    ids=[f"{name}-{_dtype_name(dtype)}" for name, dtype in zip(OPCHECK_IDS, (torch.float32, torch.float32,
+                                                                          torch.bfloat16))])
+def test_opcheck_ctc_loss_backward(device, reduction, zero_infinity, dtype):
+    """``packed_kernels::ctc_loss_backward`` on what the forward op saves for it (its fake
+    gradient has the dtype of ``log_probs``: autograd would cast a wrong one silently)."""
     batch = _opcheck_batch(device)
-    x = batch.log_probs.float().detach()
+    x = batch.log_probs.to(dtype).detach()
     arguments = (x, batch.cu_seqlens, batch.targets, batch.target_lengths)
     loss, nll, *saved = torch.ops.packed_kernels.ctc_loss.default(*arguments, 0, reduction, zero_infinity)
     if nll.numel() == 0:  # the loss is the per-utterance losses themselves

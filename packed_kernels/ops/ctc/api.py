@@ -280,6 +280,7 @@ def _padded_stage_loss(log_probs, cu_seqlens, targets, target_lengths, blank, re
 
 
 def _autocast_enabled(device_type: str) -> bool:
+    # torch.is_autocast_enabled raises for device types without autocast (meta)
     return torch.amp.is_autocast_available(device_type) and torch.is_autocast_enabled(device_type)
 
 
@@ -348,8 +349,8 @@ def packed_ctc_loss(
         log_probs = log_probs.float()
     # the kernels read the offsets and lengths as dense arrays (a strided view is copied once)
     cu_seqlens, target_lengths = cu_seqlens.contiguous(), target_lengths.contiguous()
-    traced = is_traced(log_probs, cu_seqlens, targets, target_lengths)
-    copies = None if traced else _HostCopies(cu_seqlens, target_lengths, targets)
+    copies = None if is_traced(log_probs, cu_seqlens, targets, target_lengths) else _HostCopies(
+        cu_seqlens, target_lengths, targets)
     if not runtime.on_kernel_device(log_probs):
         longest = log_probs.shape[0]  # traced: the longest utterance is not known on the host
         if copies is not None:
