@@ -39,6 +39,9 @@ MAX_KERNEL_N = 32
 #: Most iterations the unrolled-backward kernels recompute on chip (their checkpoints
 #: live in registers); :mod:`.api` uses the padded PyTorch stage beyond it.
 MAX_UNROLLED_ITERS = 128
+#: Most iterations any launcher takes (:mod:`.api` refuses more): the bound behind the
+#: forward's reciprocal pairing (:func:`_pairing_safe`) is used for at most this many.
+MAX_ITERS = 1 << 20
 
 
 @triton.jit
@@ -346,7 +349,7 @@ def _ones(n: tl.constexpr, ROWS: tl.constexpr, COMPUTE: tl.constexpr):
 #: so the product of two sums and its reciprocal stay far inside the normal range
 PAIRING_MIN_ENTRY = tl.constexpr(2.0 ** -50)
 #: most iterations for which that bound is used (rounding could drift it over very many)
-PAIRING_MAX_ITERS = tl.constexpr(1 << 20)
+PAIRING_MAX_ITERS = tl.constexpr(MAX_ITERS)
 
 
 @triton.jit
