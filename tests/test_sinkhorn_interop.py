@@ -90,12 +90,13 @@ def test_cpu_tensors_on_a_gpu_machine_run_the_padded_stage(monkeypatch, device, 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=DTYPE_NAMES.get)
 def test_sinkhorn_backward_of_cpu_tensors_on_a_gpu_machine(monkeypatch, device, dtype):
-    R = birkhoff(5, 6, seed=63).to(dtype)
+    R = birkhoff(5, 6, seed=63).to(dtype).requires_grad_()  # the result is not differentiable all the same
     g = random_logits((6, 5, 5), 1.0, seed=64, dtype=dtype)
     kernel = sinkhorn_backward(R.to(device), g.to(device))
     _as_on_a_gpu_machine(monkeypatch)
     got = sinkhorn_backward(R, g)
     assert got.device.type == "cpu" and got.dtype == dtype
+    assert not kernel.requires_grad and not got.requires_grad
     tol = dict(atol=1e-10, rtol=1e-8) if dtype == torch.float64 else dict(atol=2e-5, rtol=1e-4)
     assert_close("vs kernel", got, kernel, **tol)
     assert_close("vs least squares", got, implicit_reference(R, g), **tol)

@@ -181,9 +181,10 @@ def sinkhorn(logits: torch.Tensor, iters: int = 20, *, backward: str = "implicit
             (non-contiguous input is copied to a contiguous one first).
         iters: number of iterations, from 1 to :data:`MAX_ITERS` (``2**20``). Each
             divides by the column sums (dim -2), then by the row sums (dim -1), after
-            ``exp(logits - column max)``. The bound: the forward kernels' shared
-            reciprocals rest on bounds on the sums proved for at most that many
-            iterations, and on matrices with positive entries the iterations converge
+            ``exp(logits - column max)``. The bound: the bounds on the sums that let
+            the forward kernels share reciprocals are relied on for at most that many
+            iterations (rounding could drift the iterates past them over many more),
+            and on matrices with positive entries the iterations converge
             geometrically, so far fewer already reach rounding level.
         backward: ``"implicit"``: gradient of the converged projection (implicit
             function theorem; see :func:`sinkhorn_backward`), or ``"unrolled"``: the
@@ -212,7 +213,8 @@ def sinkhorn(logits: torch.Tensor, iters: int = 20, *, backward: str = "implicit
 
     Autocast leaves it alone (no PyTorch op computes it, so none sets a precedent): the
     output keeps the dtype of ``logits``, computed as above. Works on ``meta`` tensors,
-    under ``FakeTensorMode``, ``torch.compile(fullgraph=True)`` and ``torch.func.grad``.
+    under ``FakeTensorMode``, ``torch.compile(fullgraph=True)`` and ``torch.func.grad``
+    (not under ``torch.func.vmap``: the leading dims already batch).
     A NaN or ``+inf`` logit makes its own matrix NaN (forward and gradient) and leaves
     the others untouched; ``-inf`` logits are exact zeros as long as every row and
     column keeps a finite entry.

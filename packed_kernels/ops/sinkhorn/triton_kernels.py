@@ -39,7 +39,7 @@ MAX_KERNEL_N = 32
 #: Most iterations the unrolled-backward kernels recompute on chip (their checkpoints
 #: live in registers); :mod:`.api` uses the padded PyTorch stage beyond it.
 MAX_UNROLLED_ITERS = 128
-#: Most iterations any launcher takes (:mod:`.api` refuses more): the bound behind the
+#: Most iterations :func:`~.api.sinkhorn` takes (it refuses more): the bound behind the
 #: forward's reciprocal pairing (:func:`_pairing_safe`) is used for at most this many.
 MAX_ITERS = 1 << 20
 
