@@ -347,7 +347,7 @@ def _sinkhorn_cases(pk, torch) -> List[Case]:
         tokens = 4096 if n <= 8 else 512
         for dtype in (torch.float32, torch.bfloat16, torch.float64):
             for iters in (20, 40):
-                for backward, cg_iters in (("implicit", None), ("implicit", 10), ("unrolled", None)):
+                for backward, cg_iters in (("implicit", None), ("implicit", min(10, 2 * n)), ("unrolled", None)):
                     def run(n=n, tokens=tokens, dtype=dtype, iters=iters, backward=backward, cg_iters=cg_iters):
                         g = torch.Generator().manual_seed(n)
                         logits = torch.randn(tokens, n, n, generator=g).to(dtype).requires_grad_()
@@ -356,7 +356,7 @@ def _sinkhorn_cases(pk, torch) -> List[Case]:
 
                     label = f"sinkhorn n={n} {_dtype_name(dtype)} iters={iters} {backward} cg_iters={cg_iters}"
                     cases.append(Case("sinkhorn", label, run))
-            for cg_iters in (None, 10):
+            for cg_iters in (None, min(10, 2 * n)):
                 def run(n=n, tokens=tokens, dtype=dtype, cg_iters=cg_iters):
                     g = torch.Generator().manual_seed(n)
                     R = torch.rand(tokens, n, n, generator=g).to(dtype)
