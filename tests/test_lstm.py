@@ -11,7 +11,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from packed_kernels import Packed, PersistentLSTM, pack, unpack
 from packed_kernels.ops.lstm.api import _config_as_ints, lstm_recurrence_op
 from packed_kernels.ops.lstm.padded_torch import lstm_padded, lstm_weights
-from packed_kernels.ops.lstm.triton_kernels import choose_config
+from packed_kernels.ops.lstm.triton_kernels import RecurrenceConfig, RecurrentProduct, StepWait, choose_config
 
 from assertions import assert_close
 from lstm_cases import ATOL, RTOL, assert_outputs_close, lengths_id, make_lstm, packed_reference
@@ -142,6 +142,20 @@ def test_traced_call_runs_the_custom_op(device):
         y, state = traced(padded, lengths)
         ref = packed_reference(lstm, padded, lengths)
     assert_outputs_close((pack(y, lengths).data, state), ref)
+
+
+def test_traced_call_with_the_transposed_weights(device):
+    """The FOUR_GATES product reads each gate's transposed block, which the traced call
+    passes to the custom op."""
+    lstm = make_lstm(3, 8, 1, True, device=device)
+    config = RecurrenceConfig(programs_per_tile=1, rows_per_tile=2, product=RecurrentProduct.FOUR_GATES,
+                              wait=StepWait.CTA_BARRIER)
+    model = PersistentLSTM.from_torch(lstm, config)
+    x = torch.randn(2, 3, 3, device=device)
+    with torch.no_grad():
+        traced = make_fx(model)(x)
+        assert _recurrence_calls(traced.graph) == 1
+        assert_outputs_close(traced(x), lstm(x))
 
 
 def test_compiled_call_is_one_graph(device):

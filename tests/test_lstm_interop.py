@@ -288,7 +288,7 @@ def _assert_follows_module(model, lstm, x, update, calls=2):
 
 def test_weights_changed_in_place_through_data_are_seen(device):
     """``.data`` updates leave no trace a cache could check (no version bump)."""
-    lstm = make_lstm(3, 6, 2, False, device=device)
+    lstm = make_lstm(3, 6, 1, True, device=device)
     model = PersistentLSTM.from_torch(lstm)
     x = torch.randn(2, 4, 3, device=device)
     _assert_follows_module(model, lstm, x, lambda call: call and lstm.weight_hh_l0.data.mul_(2))

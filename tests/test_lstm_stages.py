@@ -194,12 +194,15 @@ def described_gpu(monkeypatch):
     return describe
 
 
-def test_choose_config_interpreted_is_single_program(device):
-    for batch, rows in ((0, 1), (1, 1), (3, 4), (37, 16)):
-        config = choose_config(batch, 128, 2, torch.device(device), frames=20 * batch)
-        if runtime.INTERPRETED:
+def test_choose_config_interpreted_is_single_program(monkeypatch):
+    """Under the interpreter (which runs programs one after another) every device gets
+    one program per tile: no cross-program waits."""
+    monkeypatch.setattr(runtime, "INTERPRETED", True)
+    for device in ("cpu", "cuda"):
+        for batch, rows in ((0, 1), (1, 1), (3, 4), (37, 16)):
+            config = choose_config(batch, 128, 2, torch.device(device), frames=20 * batch)
             assert config == RecurrenceConfig(programs_per_tile=1, rows_per_tile=rows, product=ROW_SUMS,
-                                              wait=CTA_BARRIER, num_warps=4), (batch, config)
+                                              wait=CTA_BARRIER, num_warps=4), (device, batch, config)
 
 
 def test_choose_config_on_h200_shapes(described_gpu):
