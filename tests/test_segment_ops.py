@@ -7,6 +7,7 @@ references they share are in ``segment_cases.py``."""
 import dataclasses
 import zlib
 
+import numpy as np
 import pytest
 import torch
 
@@ -135,6 +136,25 @@ def test_lower_precision_computes_in_float32(op, dtype, device):
     for k, (got, want) in enumerate(zip(grads, expected_grads)):
         assert got.dtype == dtype
         assert_close(f"{op} {dtype} d/input{k}", got, want, atol=4 * tol, rtol=4 * tol)
+
+
+@pytest.mark.parametrize("scale", [1e18, 1e20, 1e30], ids=["1e18", "1e20", "1e30"])
+def test_rms_norm_of_huge_rows_float64_finite_float32_as_documented(scale, device):
+    """``segmented_rms_norm`` sums the squares as they are: float64 gives the finite RMS
+    of a float64 reference at any of these scales; float32 gives it while the squared
+    norms stay below float32's largest value (3.4e38) and ``inf`` beyond, as its
+    docstring says."""
+    idx = make_idx([2, 3], device)
+    x = torch.tensor([[3.0, 4.0], [0.0, 5.0], [1.0, 2.0], [2.0, 1.0], [-2.0, 0.0]], dtype=torch.float64) * scale
+    sums = np.array([(3 ** 2 + 4 ** 2 + 5 ** 2) / 2, (5 + 5 + 4) / 3])
+    reference = np.sqrt(sums) * scale
+    assert_close("rms_norm float64 of huge rows", pk.segmented_rms_norm(x.to(device), idx, 2), reference,
+                 atol=0.0, rtol=1e-14)
+    got = pk.segmented_rms_norm(x.to(device=device, dtype=torch.float32), idx, 2)
+    if (scale * 5.0) ** 2 < torch.finfo(torch.float32).max:
+        assert_close("rms_norm float32 of large rows", got, reference, atol=0.0, rtol=1e-6)
+    else:
+        assert got.tolist() == [float("inf")] * 2
 
 
 def test_empty_segments_give_zero_with_finite_zero_gradient(device):

@@ -104,7 +104,8 @@ def test_mean_writes_counts_only_for_autograd(device):
         third = torch.autograd.grad(second, v, torch.ones_like(second))[0]
         return first, second, third
 
-    for k, (a, b) in enumerate(zip(third_order(pk.segmented_mean, x), third_order(padded_torch.segmented_mean_padded, x))):
+    derivatives = zip(third_order(pk.segmented_mean, x), third_order(padded_torch.segmented_mean_padded, x))
+    for k, (a, b) in enumerate(derivatives):
         assert_close(f"mean derivative {k + 1}", a, b, atol=1e-12, rtol=1e-12)
 
 
