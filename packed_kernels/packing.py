@@ -104,16 +104,18 @@ class Packed(NamedTuple):
         lengths = torch.empty_like(sorted_lengths).index_copy_(0, order.cpu(), sorted_lengths)
         lengths = lengths.to(data.device)
         cu_seqlens = cu_seqlens_from_lengths(lengths)
-        rows, _, _ = _time_major_rows(cu_seqlens, lengths)
+        rows, _, _ = _time_major_rows(cu_seqlens, lengths, order.to(lengths.device))
         packed = data.new_empty(data.shape).index_copy(0, rows, data)
         return cls(packed, cu_seqlens, lengths)
 
 
-def _time_major_rows(cu_seqlens: torch.Tensor, lengths: torch.Tensor):
+def _time_major_rows(cu_seqlens: torch.Tensor, lengths: torch.Tensor, order: Optional[torch.Tensor] = None):
     """The packed row of each ``PackedSequence`` row, its ``batch_sizes`` (CPU int64) and
-    the order of sequences by decreasing length (stable): row ``r`` at time ``t`` and rank
-    ``k`` is frame ``t`` of sequence ``order[k]``."""
-    order = torch.argsort(lengths, descending=True, stable=True)
+    the order of sequences by decreasing length (``order``, or a stable sort): row ``r``
+    at time ``t`` and rank ``k`` is frame ``t`` of sequence ``order[k]``. A given order
+    matters where lengths tie: ``pack_padded_sequence`` may rank tied sequences either way."""
+    if order is None:
+        order = torch.argsort(lengths, descending=True, stable=True)
     longest = int(lengths.max()) if lengths.numel() else 0
     steps = torch.arange(longest, device=lengths.device)
     batch_sizes = (lengths[None, :] > steps[:, None]).sum(1)

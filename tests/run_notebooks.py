@@ -25,6 +25,7 @@ def _display_shim() -> None:
         display.Markdown = display.HTML = str
         package = types.ModuleType("IPython")
         package.display = display
+        package.version_info = (99, 0)  # matplotlib asks; a recent release needs no set-up from it
         sys.modules.update({"IPython": package, "IPython.display": display})
 
 

@@ -193,3 +193,18 @@ def test_nested_round_trip():
     assert Packed.from_nested(built).lengths.tolist() == [3, 1]
     with pytest.raises(ValueError, match="jagged"):
         Packed.from_nested(padded)
+
+
+def test_packed_sequence_with_tied_lengths_follows_its_sorted_indices():
+    from torch.nn.utils.rnn import PackedSequence
+
+    # two sequences of length 3, ranked (1, 0): time-major rows are seq1[t], seq0[t]
+    data = torch.tensor([3.0, 0.0, 4.0, 1.0, 5.0, 2.0])
+    sequence = PackedSequence(data, torch.tensor([2, 2, 2]), torch.tensor([1, 0]), torch.tensor([1, 0]))
+    packed = Packed.from_packed_sequence(sequence)
+    assert packed.data.tolist() == [0.0, 1.0, 2.0, 3.0, 4.0, 5.0]
+    assert packed.lengths.tolist() == [3, 3]
+    from torch.nn.utils.rnn import pad_packed_sequence
+
+    padded, lengths = pad_packed_sequence(sequence, batch_first=True)
+    assert torch.equal(pack(padded, lengths).data, packed.data)
