@@ -149,6 +149,10 @@ def cu_seqlens_from_lengths(lengths: Lengths) -> torch.Tensor:
     """``[0, l_0, l_0 + l_1, ...]`` as int32 ``(B + 1,)``, on the device of ``lengths``.
 
     ``lengths``: a 1-D integer tensor or a list of ints, none negative.
+
+    Example:
+        >>> cu_seqlens_from_lengths([3, 0, 2]).tolist()
+        [0, 3, 3, 5]
     """
     lengths = _lengths_tensor("lengths", lengths)
     cu = torch.zeros(lengths.numel() + 1, dtype=torch.int32, device=lengths.device)
@@ -158,7 +162,12 @@ def cu_seqlens_from_lengths(lengths: Lengths) -> torch.Tensor:
 
 def segment_ids_from_lengths(lengths: Lengths, *, dtype: torch.dtype = torch.int32) -> torch.Tensor:
     """The segment of each packed row, ``[0] * l_0 + [1] * l_1 + ...``: the sorted ``idx``
-    the segment operations take (``num_segments = len(lengths)``)."""
+    the segment operations take (``num_segments = len(lengths)``).
+
+    Example:
+        >>> segment_ids_from_lengths([2, 0, 3]).tolist()
+        [0, 0, 2, 2, 2]
+    """
     lengths = _lengths_tensor("lengths", lengths)
     if dtype not in (torch.int32, torch.int64):
         raise TypeError(f"dtype must be torch.int32 or torch.int64; got {dtype}")
@@ -168,7 +177,12 @@ def segment_ids_from_lengths(lengths: Lengths, *, dtype: torch.dtype = torch.int
 
 def segment_ids_from_cu_seqlens(cu_seqlens: torch.Tensor, *, dtype: torch.dtype = torch.int32) -> torch.Tensor:
     """As :func:`segment_ids_from_lengths`, from offsets ``(B + 1,)`` that start at 0 and
-    do not decrease."""
+    do not decrease.
+
+    Example:
+        >>> segment_ids_from_cu_seqlens(torch.tensor([0, 1, 3])).tolist()
+        [0, 1, 1]
+    """
     check_index_tensor("cu_seqlens", cu_seqlens, 1, "(B + 1,)")
     if cu_seqlens.numel() < 1:
         raise ValueError("cu_seqlens must have B + 1 >= 1 entries; got an empty tensor")
@@ -185,6 +199,11 @@ def pack(padded: torch.Tensor, lengths: Lengths) -> Packed:
     """Pack a padded batch ``(B, T, ...)`` with per-sequence ``lengths`` into a ``Packed``.
 
     Frames beyond each length are dropped. Zero-length sequences are allowed.
+
+    Example:
+        >>> packed = pack(torch.arange(8.0).view(2, 4), [3, 1])
+        >>> packed.data.tolist(), packed.cu_seqlens.tolist()
+        ([0.0, 1.0, 2.0, 4.0], [0, 3, 4])
     """
     check_tensor("padded", padded)
     if padded.dim() < 2:
@@ -206,6 +225,10 @@ def unpack(packed: Packed, total_length: Optional[int] = None, padding_value: fl
     ``T`` is ``total_length`` if given (it must be at least the longest sequence),
     else the longest length. Padding frames are filled with ``padding_value``.
     ``packed.cu_seqlens`` must agree with ``packed.lengths``.
+
+    Example:
+        >>> unpack(pack(torch.arange(8.0).view(2, 4), [3, 1]), padding_value=-1).tolist()
+        [[0.0, 1.0, 2.0, -1.0], [4.0, -1.0, -1.0, -1.0]]
     """
     if not isinstance(packed, Packed):
         raise TypeError(f"packed must be a Packed; got {type(packed).__name__}")

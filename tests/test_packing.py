@@ -208,3 +208,12 @@ def test_packed_sequence_with_tied_lengths_follows_its_sorted_indices():
 
     padded, lengths = pad_packed_sequence(sequence, batch_first=True)
     assert torch.equal(pack(padded, lengths).data, packed.data)
+
+
+def test_docstring_examples():
+    import doctest
+
+    import packed_kernels.packing as packing
+
+    result = doctest.testmod(packing, extraglobs={"torch": torch}, raise_on_error=False)
+    assert result.attempted >= 6 and result.failed == 0, result
