@@ -227,7 +227,7 @@ def unpack(packed: Packed, total_length: Optional[int] = None, padding_value: fl
     ``packed.cu_seqlens`` must agree with ``packed.lengths``.
 
     Example:
-        >>> unpack(pack(torch.arange(8.0).view(2, 4), [3, 1]), padding_value=-1).tolist()
+        >>> unpack(pack(torch.arange(8.0).view(2, 4), [3, 1]), total_length=4, padding_value=-1).tolist()
         [[0.0, 1.0, 2.0, -1.0], [4.0, -1.0, -1.0, -1.0]]
     """
     if not isinstance(packed, Packed):
