@@ -254,8 +254,12 @@ def test_fake_tensor_mode_gives_the_real_shapes(device, case, grad):
     model = PersistentLSTM.from_torch(lstm)
     expected = _expected_shapes(model, x, hx, kwargs)
     with torch.set_grad_enabled(grad), FakeTensorMode(allow_non_fake_inputs=True) as mode:
-        fake = model(mode.from_tensor(x), None if hx is None else tuple(map(mode.from_tensor, hx)),
-                     **{k: mode.from_tensor(v) for k, v in kwargs.items()})
+        # The module's parameters fake too, on the same device: on CUDA, nn.LSTM (cuDNN) views
+        # its flat weight buffer with set_, which a real device storage cannot take in fake mode.
+        params = {name: mode.from_tensor(p) for name, p in model.named_parameters()}
+        fake = torch.func.functional_call(
+            model, params, (mode.from_tensor(x), None if hx is None else tuple(map(mode.from_tensor, hx))),
+            {k: mode.from_tensor(v) for k, v in kwargs.items()})
     assert _shapes(fake) == expected
 
 

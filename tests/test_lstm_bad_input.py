@@ -100,7 +100,7 @@ def test_bad_calls_are_refused_naming_the_argument(device, grad, make, error, me
         model(arguments["input"], arguments.get("hx"), **kwargs)
 
 
-def test_unsupported_modules():
+def test_unsupported_modules(device):
     with pytest.raises(ValueError, match="proj_size"):
         PersistentLSTM.from_torch(torch.nn.LSTM(3, 8, proj_size=4))
     with pytest.raises(TypeError, match="float32"):
@@ -109,12 +109,12 @@ def test_unsupported_modules():
         PersistentLSTM.from_torch(torch.nn.GRU(3, 8))
     with pytest.raises(ValueError, match="hidden_size=600"):
         PersistentLSTM.from_torch(torch.nn.LSTM(3, 600))
-    model = PersistentLSTM.from_torch(torch.nn.LSTM(3, 8, num_layers=2, dropout=0.5).train())
+    model = PersistentLSTM.from_torch(torch.nn.LSTM(3, 8, num_layers=2, dropout=0.5).to(device).train())
     with pytest.raises(ValueError, match="dropout"):
         with torch.no_grad():
-            model(torch.randn(4, 2, 3))
-    lstm = torch.nn.LSTM(3, 8)
+            model(torch.randn(4, 2, 3, device=device))
+    lstm = torch.nn.LSTM(3, 8).to(device)
     model = PersistentLSTM.from_torch(lstm)
     lstm.double()  # changed after wrapping: refused at the call
     with torch.no_grad(), pytest.raises(TypeError, match="parameters must be float32"):
-        model(torch.randn(4, 2, 3, dtype=torch.float64))
+        model(torch.randn(4, 2, 3, dtype=torch.float64, device=device))

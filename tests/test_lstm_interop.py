@@ -50,7 +50,7 @@ def assert_equal_grads(actual, expected, names):
 def _loss(output):
     y, (h, c) = output
     y = y.data if isinstance(y, (Packed, PackedSequence)) else y
-    return (y * torch.linspace(-1, 1, y.shape[-1])).square().sum() + h.sum() + 2 * c.sum()
+    return (y * torch.linspace(-1, 1, y.shape[-1], device=y.device)).square().sum() + h.sum() + 2 * c.sum()
 
 
 # ----------------------------------------------------------------------------------------
@@ -60,12 +60,14 @@ def _loss(output):
 @pytest.mark.parametrize("batch_first,unbatched,with_state", [(True, False, False), (False, False, True),
                                                                (False, True, True)],
                          ids=["bf", "tf-state", "unbatched-state"])
-def test_autograd_runs_nn_lstm_exactly(batch_first, unbatched, with_state):
-    lstm = make_lstm(4, 6, 2, True, batch_first=batch_first)
+def test_autograd_runs_nn_lstm_exactly(device, batch_first, unbatched, with_state):
+    lstm = make_lstm(4, 6, 2, True, batch_first=batch_first, device=device)
     model = PersistentLSTM.from_torch(lstm)
-    x = torch.randn((5, 4) if unbatched else ((2, 5, 4) if batch_first else (5, 2, 4)), requires_grad=True)
+    x = torch.randn((5, 4) if unbatched else ((2, 5, 4) if batch_first else (5, 2, 4)), device=device,
+                    requires_grad=True)
     state_shape = (4, 6) if unbatched else (4, 2, 6)
-    hx = (torch.randn(state_shape, requires_grad=True), torch.randn(state_shape, requires_grad=True)) \
+    hx = (torch.randn(state_shape, device=device, requires_grad=True),
+          torch.randn(state_shape, device=device, requires_grad=True)) \
         if with_state else None
     leaves = [x] + (list(hx) if hx else [])
     with counting_module_calls(lstm) as calls, pytest.warns(UserWarning, match=r"torch\.no_grad\(\) or torch\."
@@ -84,12 +86,12 @@ def test_autograd_runs_nn_lstm_exactly(batch_first, unbatched, with_state):
 
 
 @pytest.mark.parametrize("needs", ["input", "state", "parameter"])
-def test_any_tensor_that_requires_grad_takes_nn_lstm_and_warns_once(needs):
-    lstm = make_lstm(3, 5, 1, True)
+def test_any_tensor_that_requires_grad_takes_nn_lstm_and_warns_once(device, needs):
+    lstm = make_lstm(3, 5, 1, True, device=device)
     model = PersistentLSTM.from_torch(lstm)
     lstm.requires_grad_(needs == "parameter")
-    x = torch.randn(2, 4, 3, requires_grad=needs == "input")
-    hx = (torch.zeros(2, 2, 5, requires_grad=needs == "state"), torch.zeros(2, 2, 5))
+    x = torch.randn(2, 4, 3, device=device, requires_grad=needs == "input")
+    hx = (torch.zeros(2, 2, 5, device=device, requires_grad=needs == "state"), torch.zeros(2, 2, 5, device=device))
     with counting_module_calls(lstm) as calls:
         with pytest.warns(UserWarning, match="a gradient is needed"):
             first = model(x, hx)
@@ -102,13 +104,13 @@ def test_any_tensor_that_requires_grad_takes_nn_lstm_and_warns_once(needs):
     assert first[0].grad_fn is not None and torch.equal(first[0], second[0])
 
 
-def _packed_leaves(lengths, features, seed):
+def _packed_leaves(lengths, features, seed, device):
     """A padded leaf ``x`` that requires grad, its Packed batch (differentiable) and
     ``(h0, c0)`` leaves for 2 layers x 2 directions of hidden 5."""
     g = torch.Generator().manual_seed(seed)
     B, T = len(lengths), max(max(lengths, default=0), 1)
-    x = torch.randn(B, T, features, generator=g).requires_grad_()
-    hx = tuple(torch.randn(4, B, 5, generator=g).requires_grad_() for _ in range(2))
+    x = torch.randn(B, T, features, generator=g).to(device).requires_grad_()
+    hx = tuple(torch.randn(4, B, 5, generator=g).to(device).requires_grad_() for _ in range(2))
     return x, pack(x, lengths), hx
 
 
@@ -120,12 +122,12 @@ def _grads(leaves, lstm):
 
 
 @pytest.mark.parametrize("lengths", [[3, 5, 1], [2, 2, 6, 1]], ids=lengths_id)
-def test_autograd_packed_runs_nn_lstm_on_its_packed_sequence(lengths):
+def test_autograd_packed_runs_nn_lstm_on_its_packed_sequence(device, lengths):
     """A Packed batch under autograd: nn.LSTM on ``packed.to_packed_sequence()``, bitwise,
     gradients included."""
-    lstm = make_lstm(3, 5, 2, True, seed=len(lengths))
+    lstm = make_lstm(3, 5, 2, True, seed=len(lengths), device=device)
     model = PersistentLSTM.from_torch(lstm)
-    _, packed, hx = _packed_leaves(lengths, 3, seed=1)
+    _, packed, hx = _packed_leaves(lengths, 3, seed=1, device=device)
     data = packed.data.detach().requires_grad_()
     packed = Packed(data, packed.cu_seqlens, packed.lengths)
     with pytest.warns(UserWarning, match="a gradient is needed"), counting_module_calls(lstm) as calls:
@@ -140,18 +142,18 @@ def test_autograd_packed_runs_nn_lstm_on_its_packed_sequence(lengths):
     assert_equal_grads(grads, _grads([data, *hx], lstm), ["data", "h0", "c0"] + [n for n, _ in lstm.named_parameters()])
 
 
-def test_autograd_packed_zero_length_sequences():
+def test_autograd_packed_zero_length_sequences(device):
     """A PackedSequence cannot hold an empty sequence: nn.LSTM runs the others; an empty
     one has no output rows and its final state is its initial one (gradient 1 through it)."""
-    lstm = make_lstm(3, 5, 2, True, seed=2)
+    lstm = make_lstm(3, 5, 2, True, seed=2, device=device)
     model = PersistentLSTM.from_torch(lstm)
     lengths = [4, 0, 2, 0]
-    x, packed, hx = _packed_leaves(lengths, 3, seed=2)
+    x, packed, hx = _packed_leaves(lengths, 3, seed=2, device=device)
     with pytest.warns(UserWarning):
         out, (h, c) = model(packed, hx)
     _loss((out, (h, c))).backward()
     grads = _grads([x, *hx], lstm)
-    kept, empty = torch.tensor([0, 2]), torch.tensor([1, 3])
+    kept, empty = torch.tensor([0, 2], device=device), torch.tensor([1, 3], device=device)
     seq = pack_padded_sequence(x[kept], torch.tensor([4, 2]), batch_first=True)
     seq_out, (h_kept, c_kept) = lstm(seq, (hx[0][:, kept], hx[1][:, kept]))
     ref = pack(pad_packed_sequence(seq_out, batch_first=True)[0], [4, 2]).data
@@ -165,13 +167,13 @@ def test_autograd_packed_zero_length_sequences():
         assert torch.equal(grad[:, empty], torch.full_like(grad[:, empty], upstream)), name
     assert_equal_grads(grads[3:], ref_grads[3:], [n for n, _ in lstm.named_parameters()])
     with torch.no_grad():  # and against the independent padded stage
-        y_padded, state = lstm_padded(x, lstm_weights(lstm), torch.tensor(lengths), *hx)
+        y_padded, state = lstm_padded(x, lstm_weights(lstm), torch.tensor(lengths, device=device), *hx)
     assert_outputs_close((out.data, (h, c)), (pack(y_padded, lengths).data, state), atol=1e-6, rtol=1e-6)
 
 
-def test_autograd_packed_all_empty():
-    lstm = make_lstm(3, 5, 2, True)
-    x, packed, hx = _packed_leaves([0, 0], 3, seed=3)
+def test_autograd_packed_all_empty(device):
+    lstm = make_lstm(3, 5, 2, True, device=device)
+    x, packed, hx = _packed_leaves([0, 0], 3, seed=3, device=device)
     with pytest.warns(UserWarning):
         out, (h, c) = PersistentLSTM.from_torch(lstm)(packed, hx)
     assert out.data.shape == (0, 10)
@@ -181,21 +183,21 @@ def test_autograd_packed_all_empty():
 
 
 @pytest.mark.parametrize("batch_first", [True, False], ids=["bf", "tf"])
-def test_autograd_padded_with_lengths_is_nn_lstm_on_packed_sequence(batch_first):
-    lstm = make_lstm(3, 4, 1, True, batch_first=batch_first)
+def test_autograd_padded_with_lengths_is_nn_lstm_on_packed_sequence(device, batch_first):
+    lstm = make_lstm(3, 4, 1, True, batch_first=batch_first, device=device)
     model = PersistentLSTM.from_torch(lstm)
     lengths = torch.tensor([2, 5, 0, 3])
-    x_bf = torch.randn(4, 5, 3, requires_grad=True)
+    x_bf = torch.randn(4, 5, 3, device=device, requires_grad=True)
     with pytest.warns(UserWarning):
         y, (h, c) = model(x_bf if batch_first else x_bf.transpose(0, 1), lengths=lengths)
     y_bf = y if batch_first else y.transpose(0, 1)
-    nonempty = lengths > 0
-    seq = pack_padded_sequence(x_bf[nonempty], lengths[nonempty], batch_first=True, enforce_sorted=False)
+    nonempty = (lengths > 0).to(device)
+    seq = pack_padded_sequence(x_bf[nonempty], lengths[lengths > 0], batch_first=True, enforce_sorted=False)
     ref_seq, (h_kept, c_kept) = lstm(seq)
     ref, _ = pad_packed_sequence(ref_seq, batch_first=True, total_length=5)
     assert torch.equal(y_bf[nonempty], ref) and torch.equal(y_bf[~nonempty], torch.zeros_like(y_bf[~nonempty]))
     assert torch.equal(h[:, nonempty], h_kept) and torch.equal(c[:, nonempty], c_kept)
-    assert torch.equal(h[:, ~nonempty], torch.zeros(2, 1, 4)), "an empty sequence keeps the zero state"
+    assert torch.equal(h[:, ~nonempty], torch.zeros(2, 1, 4, device=device)), "an empty sequence keeps the zero state"
     y_bf.sum().backward()
     grad = x_bf.grad.clone()
     x_bf.grad = None
@@ -203,10 +205,10 @@ def test_autograd_padded_with_lengths_is_nn_lstm_on_packed_sequence(batch_first)
     assert torch.equal(grad, x_bf.grad)
 
 
-def test_training_with_dropout_runs_nn_lstm_with_its_dropout():
-    lstm = make_lstm(3, 6, 3, True, dropout=0.5).train()
+def test_training_with_dropout_runs_nn_lstm_with_its_dropout(device):
+    lstm = make_lstm(3, 6, 3, True, dropout=0.5, device=device).train()
     model = PersistentLSTM.from_torch(lstm)
-    x = torch.randn(2, 4, 3)
+    x = torch.randn(2, 4, 3, device=device)
     with pytest.warns(UserWarning, match="a gradient is needed"):
         torch.manual_seed(7)
         out = model(x)
@@ -251,10 +253,10 @@ def test_packed_sequence_through_the_kernels(device, lengths, enforce_sorted):
 
 
 @pytest.mark.parametrize("enforce_sorted", [True, False], ids=["sorted", "unsorted"])
-def test_packed_sequence_under_autograd_is_nn_lstm_exactly(enforce_sorted):
-    lstm = make_lstm(3, 5, 1, True)
+def test_packed_sequence_under_autograd_is_nn_lstm_exactly(device, enforce_sorted):
+    lstm = make_lstm(3, 5, 1, True, device=device)
     model = PersistentLSTM.from_torch(lstm)
-    sequence = _packed_sequence([4, 2, 2] if enforce_sorted else [2, 4, 3], enforce_sorted)
+    sequence = _packed_sequence([4, 2, 2] if enforce_sorted else [2, 4, 3], enforce_sorted).to(device)
     with pytest.warns(UserWarning, match="a gradient is needed"), counting_module_calls(lstm) as calls:
         out = model(sequence)
     assert calls[0] == 1
@@ -355,16 +357,17 @@ def test_cpu_tensors_on_a_gpu_machine_run_nn_lstm(monkeypatch):
 # Autocast: as nn.LSTM under autocast
 
 
-def test_autocast_runs_nn_lstm_with_its_dtypes():
-    lstm = make_lstm(3, 6, 2, True)
+def test_autocast_runs_nn_lstm_with_its_dtypes(device):
+    lstm = make_lstm(3, 6, 2, True, device=device)
     model = PersistentLSTM.from_torch(lstm)
-    x = torch.randn(2, 5, 3)
+    x = torch.randn(2, 5, 3, device=device)
     lengths = torch.tensor([5, 3])
-    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
-        with pytest.warns(UserWarning, match="autocast is enabled for cpu"):
+    with torch.no_grad(), torch.autocast(device, dtype=torch.bfloat16):
+        with pytest.warns(UserWarning, match=f"autocast is enabled for {device}"):
             out = model(x)
         ref = lstm(x)
-        assert out[0].dtype == torch.bfloat16
+        # nn.LSTM's own autocast dtype (bfloat16 on the CPU; cuDNN's LSTM may differ on CUDA)
+        assert out[0].dtype == (torch.bfloat16 if device == "cpu" else ref[0].dtype)
         assert_equal_outputs(out, ref)
         assert_equal_outputs(model(x.bfloat16()), lstm(x.bfloat16()))  # what a previous autocast layer gives
         sequence = pack_padded_sequence(x, lengths, batch_first=True)
