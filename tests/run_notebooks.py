@@ -26,6 +26,7 @@ def _display_shim() -> None:
         package = types.ModuleType("IPython")
         package.display = display
         package.version_info = (99, 0)  # matplotlib asks; a recent release needs no set-up from it
+        package.get_ipython = lambda: None
         sys.modules.update({"IPython": package, "IPython.display": display})
 
 

@@ -61,7 +61,7 @@ def _loss(output):
                                                                (False, True, True)],
                          ids=["bf", "tf-state", "unbatched-state"])
 def test_autograd_runs_nn_lstm_exactly(device, batch_first, unbatched, with_state):
-    lstm = make_lstm(4, 6, 2, True, batch_first=batch_first, device=device)
+    lstm = make_lstm(4, 6, 2, True, batch_first=batch_first, device=device).train()  # cuDNN differentiates in training mode only (dropout is 0)
     model = PersistentLSTM.from_torch(lstm)
     x = torch.randn((5, 4) if unbatched else ((2, 5, 4) if batch_first else (5, 2, 4)), device=device,
                     requires_grad=True)
@@ -125,7 +125,7 @@ def _grads(leaves, lstm):
 def test_autograd_packed_runs_nn_lstm_on_its_packed_sequence(device, lengths):
     """A Packed batch under autograd: nn.LSTM on ``packed.to_packed_sequence()``, bitwise,
     gradients included."""
-    lstm = make_lstm(3, 5, 2, True, seed=len(lengths), device=device)
+    lstm = make_lstm(3, 5, 2, True, seed=len(lengths), device=device).train()  # cuDNN differentiates in training mode only (dropout is 0)
     model = PersistentLSTM.from_torch(lstm)
     _, packed, hx = _packed_leaves(lengths, 3, seed=1, device=device)
     data = packed.data.detach().requires_grad_()
@@ -145,7 +145,7 @@ def test_autograd_packed_runs_nn_lstm_on_its_packed_sequence(device, lengths):
 def test_autograd_packed_zero_length_sequences(device):
     """A PackedSequence cannot hold an empty sequence: nn.LSTM runs the others; an empty
     one has no output rows and its final state is its initial one (gradient 1 through it)."""
-    lstm = make_lstm(3, 5, 2, True, seed=2, device=device)
+    lstm = make_lstm(3, 5, 2, True, seed=2, device=device).train()  # cuDNN differentiates in training mode only (dropout is 0)
     model = PersistentLSTM.from_torch(lstm)
     lengths = [4, 0, 2, 0]
     x, packed, hx = _packed_leaves(lengths, 3, seed=2, device=device)
@@ -184,7 +184,7 @@ def test_autograd_packed_all_empty(device):
 
 @pytest.mark.parametrize("batch_first", [True, False], ids=["bf", "tf"])
 def test_autograd_padded_with_lengths_is_nn_lstm_on_packed_sequence(device, batch_first):
-    lstm = make_lstm(3, 4, 1, True, batch_first=batch_first, device=device)
+    lstm = make_lstm(3, 4, 1, True, batch_first=batch_first, device=device).train()  # cuDNN differentiates in training mode only (dropout is 0)
     model = PersistentLSTM.from_torch(lstm)
     lengths = torch.tensor([2, 5, 0, 3])
     x_bf = torch.randn(4, 5, 3, device=device, requires_grad=True)
@@ -254,7 +254,7 @@ def test_packed_sequence_through_the_kernels(device, lengths, enforce_sorted):
 
 @pytest.mark.parametrize("enforce_sorted", [True, False], ids=["sorted", "unsorted"])
 def test_packed_sequence_under_autograd_is_nn_lstm_exactly(device, enforce_sorted):
-    lstm = make_lstm(3, 5, 1, True, device=device)
+    lstm = make_lstm(3, 5, 1, True, device=device).train()  # cuDNN differentiates in training mode only (dropout is 0)
     model = PersistentLSTM.from_torch(lstm)
     sequence = _packed_sequence([4, 2, 2] if enforce_sorted else [2, 4, 3], enforce_sorted).to(device)
     with pytest.warns(UserWarning, match="a gradient is needed"), counting_module_calls(lstm) as calls:

@@ -155,7 +155,8 @@ class PersistentLSTM(torch.nn.Module):
       requires grad (the kernels compute no gradient; cuDNN on a GPU is exact and
       fast). It warns once: run inference under ``torch.no_grad()`` or
       ``torch.inference_mode()`` to use the kernels. In training mode the module's
-      inter-layer dropout then acts, as in ``nn.LSTM``. (A traced call with
+      inter-layer dropout then acts, as in ``nn.LSTM``; on a GPU, as for ``nn.LSTM``,
+      cuDNN's backward needs the module in training mode. (A traced call with
       ``lengths`` runs the padded PyTorch stage,
       :func:`~packed_kernels.ops.lstm.padded_torch.lstm_padded`, instead: a
       ``PackedSequence`` needs the lengths on the host.)
