@@ -22,7 +22,7 @@ compiled kernels on an H200:
 * ``INTERPRETED = False`` and ``KERNEL_DEVICE = "cpu"`` in every module of the package
   that defines them (so CPU tensors pass the device checks), every binding of
   ``sm_count`` answers 132, and ``torch.cuda.get_device_properties`` answers an H200
-  (132 SMs, :data:`H200_L2_BYTES` of L2); ``torch.cuda.is_available()`` stays False;
+  (132 SMs, :data:`TARGET_L2_BYTES` of L2); ``torch.cuda.is_available()`` stays False;
 * every function of the package that takes a device argument and compares its
   ``.type`` with ``"cuda"`` (the LSTM's configuration chooser and L2 query) is
   wrapped so that it sees a CUDA device instead of the CPU one. Device checks made
@@ -102,8 +102,8 @@ from types import SimpleNamespace
 from typing import Callable, Dict, List
 
 #: What the package is made to believe it runs on.
-H200_SM_COUNT = 132
-H200_L2_BYTES = 60 * 1024 * 1024
+TARGET_SM_COUNT = 132
+TARGET_L2_BYTES = 60 * 1024 * 1024
 TARGET_ARCH = 90
 WARP_SIZE = 32
 
@@ -137,7 +137,7 @@ _FAKE_DEVICE = _FakeCudaDevice()
 
 def _h200_properties(device=None):
     return SimpleNamespace(
-        name="NVIDIA H200", major=9, minor=0, multi_processor_count=H200_SM_COUNT, L2_cache_size=H200_L2_BYTES,
+        name="NVIDIA H200", major=9, minor=0, multi_processor_count=TARGET_SM_COUNT, L2_cache_size=TARGET_L2_BYTES,
         total_memory=141 * 10 ** 9, warp_size=WARP_SIZE, regs_per_multiprocessor=65536,
         shared_memory_per_block=49152, shared_memory_per_block_optin=232448,
         shared_memory_per_multiprocessor=233472, max_threads_per_multi_processor=2048,
@@ -145,7 +145,7 @@ def _h200_properties(device=None):
 
 
 def _fake_sm_count(device=None) -> int:
-    return H200_SM_COUNT
+    return TARGET_SM_COUNT
 
 
 class _CaptureState:
@@ -274,7 +274,7 @@ def simulate_h200() -> List[str]:
                 notes.append(f"{where} = 'cpu'")
             elif callable(value) and (value is original_sm_count or (attr == "sm_count" and inspect.isfunction(value))):
                 setattr(module, attr, _fake_sm_count)
-                notes.append(f"{where} -> {H200_SM_COUNT}")
+                notes.append(f"{where} -> {TARGET_SM_COUNT}")
             elif inspect.isfunction(value) and not getattr(value, "__sass_wrapped__", False):
                 if id(value) in replaced:
                     setattr(module, attr, replaced[id(value)])
@@ -675,7 +675,7 @@ def capture(out_dir: str, groups, jobs: int) -> int:
         "target": f"cuda sm_{TARGET_ARCH}a",
         "triton": triton_version,
         "torch": torch.__version__,
-        "simulated_device": {"name": "NVIDIA H200", "sm_count": H200_SM_COUNT, "l2_bytes": H200_L2_BYTES},
+        "simulated_device": {"name": "NVIDIA H200", "sm_count": TARGET_SM_COUNT, "l2_bytes": TARGET_L2_BYTES},
         "groups": list(groups),
         "kernels": kernels,
         "failures": failures,
