@@ -17,7 +17,6 @@ from typing import Iterable, Optional, Sequence, Tuple, Union
 
 import torch
 
-from . import runtime
 
 __all__ = [
     "FLOAT_DTYPES",
@@ -27,10 +26,8 @@ __all__ = [
     "check_dtype",
     "check_float_tensor",
     "check_index_tensor",
-    "check_kernel_device",
     "check_rank",
     "check_same_device",
-    "check_same_dtype",
     "check_tensor",
     "integer_argument",
 ]
@@ -112,11 +109,6 @@ def check_index_tensor(name: str, value, dims: Union[int, Sequence[int], None] =
     return check_dtype(name, value, INDEX_DTYPES, dims, layout)
 
 
-def check_same_dtype(name: str, value: torch.Tensor, other_name: str, other: torch.Tensor) -> None:
-    if value.dtype != other.dtype:
-        raise TypeError(f"{name} must have the dtype of {other_name} ({other.dtype}); got {value.dtype}")
-
-
 def check_same_device(**tensors: torch.Tensor) -> None:
     """Every tensor on the device of the first one named."""
     items = list(tensors.items())
@@ -124,15 +116,3 @@ def check_same_device(**tensors: torch.Tensor) -> None:
     for name, tensor in items[1:]:
         if tensor.device != first.device:
             raise ValueError(f"{name} must be on {first_name}'s device ({first.device}); got {tensor.device}")
-
-
-def check_kernel_device(name: str, tensor: torch.Tensor) -> None:
-    """``tensor`` must live where the kernels run (:data:`runtime.KERNEL_DEVICE`), or on
-    the ``meta`` device (shape inference through the fake implementations)."""
-    if tensor.device.type not in (runtime.KERNEL_DEVICE, "meta"):
-        where = (
-            "Triton's interpreter runs the kernels on CPU tensors here (no CUDA GPU is visible)"
-            if runtime.INTERPRETED
-            else "the Triton kernels are compiled for the GPU here"
-        )
-        raise ValueError(f"{name} must be a {runtime.KERNEL_DEVICE} tensor ({where}); got a tensor on {tensor.device}")
