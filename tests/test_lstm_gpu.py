@@ -4,7 +4,7 @@ machine adds: cuDNN under autograd and autocast, CPU modules beside it."""
 import pytest
 import torch
 
-from packed_kernels import PersistentLSTM, pack
+from packed_kernels import PersistentLSTM, pack, unpack
 from packed_kernels.ops.lstm.triton_kernels import RecurrenceConfig
 
 from assertions import assert_close
@@ -222,6 +222,33 @@ def test_autograd_on_the_gpu_is_cudnn():
     assert torch.equal(y, ref) and torch.equal(h, h_ref) and torch.equal(c, c_ref)
     for (name, p), g in zip([("x", x)] + list(lstm.named_parameters()), grads):
         assert_close(f"{name}.grad", g, p.grad, atol=1e-6, rtol=1e-6)
+
+
+@pytest.mark.gpu_only
+@pytest.mark.parametrize("packed", [False, True], ids=["padded", "packed"])
+def test_autograd_in_eval_mode_on_the_gpu(packed):
+    """cuDNN's RNN backward refuses eval mode; the module then differentiates through
+    PyTorch's native LSTM, whose gradients match cuDNN's in training mode (dropout 0)."""
+    lstm = make_lstm(20, 64, 2, True, device="cuda").eval()
+    model = PersistentLSTM.from_torch(lstm)
+    x = torch.randn(3, 25, 20, device="cuda", requires_grad=True)
+    lengths = torch.tensor([25, 7, 1])
+    with pytest.warns(UserWarning, match="a gradient is needed"):
+        y, (h, c) = model(pack(x, lengths)) if packed else model(x)
+    y = unpack(y, total_length=25) if packed else y
+    (y.square().sum() + h.sum()).backward()
+    grads = [x.grad.clone()] + [p.grad.clone() for p in lstm.parameters()]
+    x.grad = None
+    lstm.zero_grad()
+    lstm.train()
+    ref, (h_ref, c_ref) = lstm(torch.nn.utils.rnn.pack_padded_sequence(x, lengths, batch_first=True)
+                               if packed else x)
+    ref = torch.nn.utils.rnn.pad_packed_sequence(ref, batch_first=True, total_length=25)[0] if packed else ref
+    (ref.square().sum() + h_ref.sum()).backward()
+    assert_close("y", y, ref, atol=1e-5, rtol=1e-5)
+    assert_close("h", h, h_ref, atol=1e-5, rtol=1e-5)
+    for (name, p), g in zip([("x", x)] + list(lstm.named_parameters()), grads):
+        assert_close(f"{name}.grad", g, p.grad, atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.gpu_only

@@ -155,8 +155,8 @@ class PersistentLSTM(torch.nn.Module):
       requires grad (the kernels compute no gradient; cuDNN on a GPU is exact and
       fast). It warns once: run inference under ``torch.no_grad()`` or
       ``torch.inference_mode()`` to use the kernels. In training mode the module's
-      inter-layer dropout then acts, as in ``nn.LSTM``; on a GPU, as for ``nn.LSTM``,
-      cuDNN's backward needs the module in training mode. (A traced call with
+      inter-layer dropout then acts, as in ``nn.LSTM``. In eval mode on a GPU it runs
+      with cuDNN off, whose backward needs training mode. (A traced call with
       ``lengths`` runs the padded PyTorch stage,
       :func:`~packed_kernels.ops.lstm.padded_torch.lstm_padded`, instead: a
       ``PackedSequence`` needs the lengths on the host.)
@@ -280,7 +280,7 @@ class PersistentLSTM(torch.nn.Module):
             lengths = _check_lengths(lengths, batch, steps, x.device, traced)
         if self._runs_module(x, state, params):
             if lengths is None:
-                return lstm(input, None if hx is None else tuple(hx))
+                return self._run_module(input, None if hx is None else tuple(hx))
             if traced:
                 if self.training and lstm.dropout > 0 and lstm.num_layers > 1:
                     raise ValueError("a traced call with lengths runs the padded PyTorch stage, which has no "
@@ -358,7 +358,7 @@ class PersistentLSTM(torch.nn.Module):
         batch = int(batch_sizes[0]) if batch_sizes.numel() else 0
         state = self._check_state(hx, batch, "input.data", data, False)
         if self._runs_module(data, state, params):
-            return self.lstm(sequence, None if hx is None else tuple(hx))
+            return self._run_module(sequence, None if hx is None else tuple(hx))
         rows, lengths = _packed_rows(batch_sizes, sequence.sorted_indices, data.device)
         packed = Packed(data.new_empty(data.shape).index_copy_(0, rows, data), cu_seqlens_from_lengths(lengths),
                         lengths)
@@ -454,6 +454,16 @@ class PersistentLSTM(torch.nn.Module):
             self._warned.add(reason)
             warnings.warn(f"PersistentLSTM: {message}", UserWarning, stacklevel=_stacklevel_of_caller())
 
+    def _run_module(self, input, hx):
+        """The wrapped ``nn.LSTM`` on ``input``. cuDNN differentiates an RNN only in
+        training mode, so a module in eval mode that needs a gradient on a GPU runs
+        PyTorch's native LSTM instead (the same maths; dropout is off in eval mode)."""
+        data = input.data if isinstance(input, PackedSequence) else input
+        if not self.training and data.is_cuda and torch.is_grad_enabled():
+            with torch.backends.cudnn.flags(enabled=False):
+                return self.lstm(input, hx)
+        return self.lstm(input, hx)
+
     def _module_on_packed(self, packed: Packed, hx) -> Tuple[Packed, State]:
         """The wrapped ``nn.LSTM`` on the ``PackedSequence`` of ``packed``. A
         ``PackedSequence`` holds no empty sequence: those are left out of the call, have
@@ -461,7 +471,7 @@ class PersistentLSTM(torch.nn.Module):
         lstm, lengths = self.lstm, packed.lengths
         nonempty = torch.nonzero(lengths > 0).flatten()
         if nonempty.numel() == lengths.numel() and lengths.numel():
-            out, state = lstm(packed.to_packed_sequence(), hx)
+            out, state = self._run_module(packed.to_packed_sequence(), hx)
             return Packed(_packed_data(out), packed.cu_seqlens, lengths), state
         if hx is None:
             shape = (lstm.num_layers * self.num_directions, lengths.numel(), lstm.hidden_size)
@@ -471,7 +481,7 @@ class PersistentLSTM(torch.nn.Module):
             return Packed(y, packed.cu_seqlens, lengths), (hx[0].clone(), hx[1].clone())
         kept_lengths = lengths[nonempty]
         kept = Packed(packed.data, cu_seqlens_from_lengths(kept_lengths), kept_lengths)
-        out, (h_kept, c_kept) = lstm(kept.to_packed_sequence(), (hx[0][:, nonempty], hx[1][:, nonempty]))
+        out, (h_kept, c_kept) = self._run_module(kept.to_packed_sequence(), (hx[0][:, nonempty], hx[1][:, nonempty]))
         h_n = hx[0].to(h_kept.dtype).index_copy(1, nonempty, h_kept)
         c_n = hx[1].to(c_kept.dtype).index_copy(1, nonempty, c_kept)
         return Packed(_packed_data(out), packed.cu_seqlens, lengths), (h_n, c_n)
