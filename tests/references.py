@@ -92,9 +92,11 @@ def ctc_log_likelihood_padded(log_probs: Tensor, input_lengths: Tensor, targets:
 
         alpha_t(s) = logsumexp(alpha_{t-1}(s), alpha_{t-1}(s - 1), [alpha_{t-1}(s - 2)]) + lp_t(l'_s)
 
-    where the skip from ``s - 2`` is allowed when ``l'_s`` is not the blank and differs
-    from ``l'_{s-2}`` (a target id equal to the blank is a blank state). The likelihood
-    is ``logsumexp(alpha_{T_b - 1}(2 L), alpha_{T_b - 1}(2 L - 1))``.
+    where the skip from ``s - 2`` is allowed when ``s`` is a label state (odd) and
+    ``l'_s != l'_{s-2}``. A target id equal to the blank stays a label state, as in
+    ``torch.nn.functional.ctc_loss``: it emits the blank class, but it may be skipped
+    to and from like any label. The likelihood is
+    ``logsumexp(alpha_{T_b - 1}(2 L), alpha_{T_b - 1}(2 L - 1))``.
 
     Returns ``(log_likelihood, possible)``: ``(B,)`` float64, differentiable with respect
     to ``log_probs``, and whether an alignment exists (where not, the log-likelihood is
@@ -109,7 +111,8 @@ def ctc_log_likelihood_padded(log_probs: Tensor, input_lengths: Tensor, targets:
     extended = torch.full((B, S), blank, dtype=torch.int64, device=device)
     extended[:, 1::2] = labels
     can_skip = torch.zeros((B, S), dtype=torch.bool, device=device)
-    can_skip[:, 2:] = (extended[:, 2:] != blank) & (extended[:, 2:] != extended[:, :-2])
+    label_state = torch.arange(S, device=device) % 2 == 1
+    can_skip[:, 2:] = label_state[2:] & (extended[:, 2:] != extended[:, :-2])
     emissions = log_probs.gather(2, extended[:, None, :].expand(B, T, S))  # (B, T, S)
     floor = torch.full((B, 1), LOG_ZERO, dtype=log_probs.dtype, device=device)
     alpha = torch.cat([torch.zeros_like(floor), floor.expand(B, S - 1)], dim=1)
@@ -172,7 +175,9 @@ def ctc_loss_reference(log_probs: Tensor, cu_seqlens: Tensor, targets: Tensor, t
     grad_output = grad_output.to(torch.float64).cpu()
     (g,) = torch.autograd.grad(loss, nll_leaf, grad_output, allow_unused=True)
     g = torch.zeros(B, dtype=torch.float64) if g is None else torch.nan_to_num(g, nan=0.0)
-    (grad,) = torch.autograd.grad(nll, log_probs, g, allow_unused=True)
+    grad = None
+    if nll.requires_grad:  # (not without frames)
+        (grad,) = torch.autograd.grad(nll, log_probs, g, allow_unused=True)
     grad = torch.zeros_like(log_probs) if grad is None else grad
     grad = grad + g[utterance_of_row, None] * log_probs.detach().exp()
     impossible_row = (~possible)[utterance_of_row, None].expand_as(grad)

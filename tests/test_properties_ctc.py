@@ -1,0 +1,158 @@
+"""Property tests of ``packed_ctc_loss`` against an independent float64 CTC forward recursion.
+
+Random batches: utterances of 0 to 6 frames (zero-frame and one-frame ones), targets
+of 0 to 4 labels with repeats and ids equal to the blank, junk ids beyond each target
+length, impossible alignments, every reduction, ``zero_infinity`` on and off, any
+blank, four dtypes, strided ``log_probs`` (transposed, sliced, expanded) and index
+tensors of int32 or int64, strided targets. The loss and its gradient (for a random
+upstream gradient) are compared with :func:`tests.references.ctc_loss_reference`.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Tuple
+
+import torch
+from hypothesis import example, given
+from hypothesis import strategies as st
+
+import packed_kernels as pk
+from tests.assertions import assert_close
+from tests.references import LAYOUTS, as_layout, ctc_loss_reference, property_settings, rounded
+
+#: Tolerance (atol = rtol) of the gradient by the input dtype; the loss is computed in
+#: float32 for every dtype but float64, from the same rounded log-probabilities.
+GRADIENT_TOLERANCE = {torch.float64: 1e-10, torch.float32: 2e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
+LOSS_TOLERANCE = {torch.float64: 1e-10, torch.float32: 2e-5, torch.float16: 2e-5, torch.bfloat16: 2e-5}
+
+
+@dataclass(frozen=True)
+class CTCCase:
+    """One batch: frames and targets per utterance, and how the call lays them out."""
+
+    input_lengths: Tuple[int, ...]
+    target_lengths: Tuple[int, ...]
+    targets: Tuple[Tuple[int, ...], ...]  # (B, U), junk beyond each target length
+    num_classes: int
+    blank: int
+    reduction: str
+    zero_infinity: bool
+    dtype: torch.dtype
+    layout: str  # of log_probs
+    index_dtype: torch.dtype
+    targets_layout: str
+    seed: int
+
+
+@st.composite
+def ctc_cases(draw) -> CTCCase:
+    B = draw(st.integers(1, 4))
+    C = draw(st.integers(2, 5))
+    U = draw(st.integers(0, 4))
+    blank = draw(st.integers(0, C - 1))
+    input_lengths = tuple(draw(st.lists(st.integers(0, 6), min_size=B, max_size=B)))
+    target_lengths = tuple(draw(st.lists(st.integers(0, U), min_size=B, max_size=B)))
+    rows = []
+    for length in target_lengths:
+        labels = draw(st.lists(st.integers(0, C - 1), min_size=length, max_size=length))  # blank and repeats too
+        junk = draw(st.lists(st.integers(-3, C + 3), min_size=U - length, max_size=U - length))
+        rows.append(tuple(labels + junk))
+    return CTCCase(
+        input_lengths=input_lengths, target_lengths=target_lengths, targets=tuple(rows), num_classes=C,
+        blank=blank, reduction=draw(st.sampled_from(["none", "sum", "mean"])), zero_infinity=draw(st.booleans()),
+        dtype=draw(st.sampled_from(list(GRADIENT_TOLERANCE))), layout=draw(st.sampled_from(LAYOUTS)),
+        index_dtype=draw(st.sampled_from([torch.int32, torch.int64])),
+        targets_layout=draw(st.sampled_from(["contiguous", "transposed", "sliced"])),
+        seed=draw(st.integers(0, 2 ** 31 - 1)),
+    )
+
+
+def inputs(case: CTCCase, device):
+    """``(log_probs float64 rounded to the case's dtype, cu_seqlens, targets, target_lengths, grad_output)``."""
+    g = torch.Generator().manual_seed(case.seed)
+    T_total, B = sum(case.input_lengths), len(case.input_lengths)
+    log_probs = rounded((2 * torch.randn(T_total, case.num_classes, generator=g, dtype=torch.float64)).log_softmax(-1),
+                        case.dtype)
+    U = len(case.targets[0]) if case.targets else 0
+    targets = torch.tensor(case.targets, dtype=case.index_dtype).reshape(B, U)
+    cu_seqlens = torch.tensor([0] + [sum(case.input_lengths[: b + 1]) for b in range(B)], dtype=case.index_dtype)
+    target_lengths = torch.tensor(case.target_lengths, dtype=case.index_dtype)
+    grad_output = torch.randn((B,) if case.reduction == "none" else (), generator=g, dtype=torch.float64)
+    return (log_probs, cu_seqlens.to(device), as_layout(targets.to(device), case.targets_layout),
+            target_lengths.to(device), grad_output)
+
+
+def package_loss_and_gradient(case: CTCCase, device, log_probs, cu_seqlens, targets, target_lengths, grad_output):
+    leaf = log_probs.to(device=device, dtype=case.dtype).requires_grad_()
+    loss = pk.packed_ctc_loss(as_layout(leaf, case.layout), cu_seqlens, targets, target_lengths, blank=case.blank,
+                              reduction=case.reduction, zero_infinity=case.zero_infinity)
+    loss.backward(grad_output.to(device=device, dtype=loss.dtype))
+    return loss.detach(), leaf.grad
+
+
+def reference_loss_and_gradient(case: CTCCase, log_probs, cu_seqlens, targets, target_lengths, grad_output):
+    """The reference at the view the package reads, and its gradient carried back to the leaf."""
+    leaf = log_probs.clone().requires_grad_()
+    view = as_layout(leaf, case.layout)
+    loss, grad_view = ctc_loss_reference(view, cu_seqlens.cpu(), targets.cpu(), target_lengths.cpu(),
+                                         blank=case.blank, reduction=case.reduction,
+                                         zero_infinity=case.zero_infinity, grad_output=grad_output)
+    (grad,) = torch.autograd.grad(view, leaf, grad_view) if leaf.numel() else (torch.zeros_like(leaf),)
+    return loss, grad
+
+
+def _case(**fields) -> CTCCase:
+    base = dict(input_lengths=(3, 0, 1, 4), target_lengths=(2, 0, 1, 3), targets=((1, 1, 9), (0, -1, 5), (2, 7, 7),
+                (2, 0, 2)), num_classes=3, blank=0, reduction="mean", zero_infinity=False, dtype=torch.float64,
+                layout="contiguous", index_dtype=torch.int64, targets_layout="contiguous", seed=3)
+    return CTCCase(**{**base, **fields})
+
+
+#: Zero-frame utterances with and without targets, a repeated label that needs a blank
+#: between (three frames for "1 1"), an impossible alignment, the blank inside a target.
+EDGE_CASES = [
+    _case(),
+    _case(zero_infinity=True, reduction="sum"),
+    _case(input_lengths=(0, 0), target_lengths=(0, 0), targets=((), ()), reduction="none"),
+    _case(input_lengths=(1, 2), target_lengths=(1, 2), targets=((1, 1), (2, 2)), reduction="none", blank=2),
+    _case(input_lengths=(4, 2), target_lengths=(3, 2), targets=((1, 0, 1), (0, 0, 4)), reduction="none"),
+    _case(input_lengths=(), target_lengths=(), targets=(), reduction="sum"),
+]
+
+
+def _with_edge_cases(test):
+    for case in EDGE_CASES:
+        test = example(case=case)(test)
+    return test
+
+
+@_with_edge_cases
+@property_settings(max_examples=25)
+@given(case=ctc_cases())
+def test_packed_ctc_loss_matches_reference(device, case):
+    tensors = inputs(case, device)
+    loss, grad = package_loss_and_gradient(case, device, *tensors)
+    want_loss, want_grad = reference_loss_and_gradient(case, *tensors)
+    loss_dtype = torch.float64 if case.dtype == torch.float64 else torch.float32
+    assert loss.dtype == loss_dtype, f"loss dtype {loss.dtype}, expected {loss_dtype}"
+    assert grad.dtype == case.dtype, f"gradient dtype {grad.dtype}, expected {case.dtype}"
+    tol = LOSS_TOLERANCE[case.dtype]
+    assert_close(f"{case.reduction} loss", loss, want_loss, atol=tol, rtol=tol)
+    tol = GRADIENT_TOLERANCE[case.dtype]
+    assert_close("d loss / d log_probs", grad, want_grad, atol=tol, rtol=tol)
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Bitwise equality, NaN payloads included."""
+    return a.shape == b.shape and a.dtype == b.dtype and torch.equal(
+        a.detach().reshape(-1).view(torch.uint8), b.detach().reshape(-1).view(torch.uint8))
+
+
+@property_settings(max_examples=6)
+@given(case=ctc_cases())
+def test_packed_ctc_loss_is_bitwise_deterministic(device, case):
+    """The same call twice gives the same bits of the loss and of the gradient."""
+    tensors = inputs(case, device)
+    (loss_a, grad_a), (loss_b, grad_b) = (package_loss_and_gradient(case, device, *tensors) for _ in range(2))
+    assert same_bits(loss_a, loss_b), "the loss differs between two identical calls"
+    assert same_bits(grad_a, grad_b), "the gradient differs between two identical calls"
