@@ -20,6 +20,8 @@ __version__ = "0.1.0"
 # public name -> the subpackage that defines it
 _LAZY_NAMES = {
     "packed_ctc_loss": "ops.ctc",
+    "packed_ctc_loss_from_logits": "ops.ctc",
+    "linear_packed_ctc_loss": "ops.ctc",
     "sinkhorn": "ops.sinkhorn",
     "sinkhorn_backward": "ops.sinkhorn",
     "segmented_sum": "ops.segment",
@@ -32,7 +34,7 @@ _LAZY_NAMES = {
 }
 
 if TYPE_CHECKING:  # what the lazy names below resolve to, for type checkers and IDEs
-    from .ops.ctc import packed_ctc_loss
+    from .ops.ctc import linear_packed_ctc_loss, packed_ctc_loss, packed_ctc_loss_from_logits
     from .ops.lstm import PersistentLSTM
     from .ops.segment import *  # noqa: F401,F403  (the six segmented_* functions)
     from .ops.sinkhorn import sinkhorn, sinkhorn_backward

@@ -4,8 +4,11 @@
 * :mod:`.padded_torch`: the alpha recursion vectorised over a padded batch, with autograd;
 * :mod:`.triton_kernels`: the packed Triton kernels and their launchers;
 
-and :mod:`.api`, the public :func:`packed_ctc_loss` (argument checks and its operators).
+and :mod:`.api`, the public :func:`packed_ctc_loss` (argument checks and its operators);
+:mod:`.logits`, the same loss from logits (:func:`packed_ctc_loss_from_logits`) and from
+the input of the linear layer that makes them (:func:`linear_packed_ctc_loss`).
 """
 from .api import packed_ctc_loss
+from .logits import linear_packed_ctc_loss, packed_ctc_loss_from_logits
 
-__all__ = ["packed_ctc_loss"]
+__all__ = ["linear_packed_ctc_loss", "packed_ctc_loss", "packed_ctc_loss_from_logits"]

@@ -180,13 +180,23 @@ def _side_stream(device: torch.device) -> "torch.cuda.Stream":
     return _SIDE_STREAMS[index]
 
 
-def _check_arguments(log_probs, cu_seqlens, targets, target_lengths, blank, reduction, zero_infinity) -> int:
-    """The checks that need no tensor values; returns ``blank`` as a Python int."""
-    validation.check_float_tensor("log_probs", log_probs, 2, layout="(T_total, C)")
+def _check_arguments(log_probs, cu_seqlens, targets, target_lengths, blank, reduction, zero_infinity,
+                     name: str = "log_probs") -> int:
+    """The checks that need no tensor values; returns ``blank`` as a Python int. ``name``
+    is the argument ``log_probs`` stands for (``"logits"`` for the loss from logits)."""
+    validation.check_float_tensor(name, log_probs, 2, layout="(T_total, C)")
+    return _check_batch(cu_seqlens, targets, target_lengths, blank, reduction, zero_infinity,
+                        classes=(name, log_probs.shape, log_probs.shape[1]), tensors={name: log_probs})
+
+
+def _check_batch(cu_seqlens, targets, target_lengths, blank, reduction, zero_infinity, *,
+                 classes: Tuple[str, torch.Size, int], tensors: dict) -> int:
+    """The value-free checks of the batch description and the options. ``classes`` is
+    ``(name, shape, C)``: the argument that gives the number of classes, its shape and
+    ``C``; ``tensors`` are the arguments (by name) that must share the first one's device."""
     validation.check_index_tensor("cu_seqlens", cu_seqlens, 1, layout="(B + 1,)")
     validation.check_index_tensor("targets", targets, 2, layout="(B, U)")
     validation.check_index_tensor("target_lengths", target_lengths, 1, layout="(B,)")
-    T_total, C = log_probs.shape
     if cu_seqlens.shape[0] < 1:
         raise ValueError("cu_seqlens must have B + 1 >= 1 entries; got an empty tensor")
     B = cu_seqlens.shape[0] - 1
@@ -195,20 +205,21 @@ def _check_arguments(log_probs, cu_seqlens, targets, target_lengths, blank, redu
     if target_lengths.shape[0] != B:
         raise ValueError(f"target_lengths must have shape (B={B},) to match cu_seqlens; "
                          f"got {tuple(target_lengths.shape)}")
+    name, shape, C = classes
     if C < 1:
-        raise ValueError(f"log_probs must have at least one class; got shape {tuple(log_probs.shape)}")
+        raise ValueError(f"{name} must have at least one class; got shape {tuple(shape)}")
     blank = validation.integer_argument("blank", blank)
     if not 0 <= blank < C:
         raise ValueError(f"blank must lie in [0, C={C}); got {blank}")
     validation.check_choice("reduction", reduction, _REDUCTIONS)
     validation.check_bool("zero_infinity", zero_infinity)
-    validation.check_same_device(log_probs=log_probs, cu_seqlens=cu_seqlens, targets=targets,
-                                 target_lengths=target_lengths)
+    validation.check_same_device(**tensors, cu_seqlens=cu_seqlens, targets=targets, target_lengths=target_lengths)
     return blank
 
 
-def _check_values(copies: _HostCopies, T_total: int, C: int, U: int) -> None:
-    """The checks that read tensor values: ``cu_seqlens``, ``target_lengths``, ``targets``."""
+def _check_values(copies: _HostCopies, T_total: int, C: int, U: int, rows: str = "log_probs") -> None:
+    """The checks that read tensor values: ``cu_seqlens``, ``target_lengths``, ``targets``;
+    ``rows`` names the argument whose first dimension is ``T_total``."""
     cu, lengths, ids = copies.wait()
     B = len(lengths)
     in_target = np.arange(U)[None, :] < lengths[:, None]
@@ -220,7 +231,7 @@ def _check_values(copies: _HostCopies, T_total: int, C: int, U: int) -> None:
     if decreasing:
         raise ValueError(f"cu_seqlens must be non-decreasing; got {decreasing} decreasing step(s)")
     if last != T_total:
-        raise ValueError(f"cu_seqlens must end at T_total = log_probs.shape[0] = {T_total}; "
+        raise ValueError(f"cu_seqlens must end at T_total = {rows}.shape[0] = {T_total}; "
                          f"got cu_seqlens[-1] = {last}")
     if shortest < 0:
         raise ValueError(f"target_lengths must be >= 0; got a length of {shortest}")
@@ -229,6 +240,15 @@ def _check_values(copies: _HostCopies, T_total: int, C: int, U: int) -> None:
     if negative_ids or large_ids:
         raise ValueError(f"targets must lie in [0, C={C}) within each target length; got "
                          f"{negative_ids + large_ids} id(s) outside that range")
+
+
+def _longest_utterance(copies, T_total: int) -> int:
+    """The most frames of one utterance (the padded stage's padded length); ``T_total``
+    when the values cannot be read (traced)."""
+    if copies is None:
+        return T_total
+    cu = copies.wait()[0]
+    return int(np.diff(cu).max()) if len(cu) > 1 else 0
 
 
 class _PyTorchGradientConvention(torch.autograd.Function):
@@ -352,13 +372,10 @@ def packed_ctc_loss(
     copies = None if is_traced(log_probs, cu_seqlens, targets, target_lengths) else _HostCopies(
         cu_seqlens, target_lengths, targets)
     if not runtime.on_kernel_device(log_probs):
-        longest = log_probs.shape[0]  # traced: the longest utterance is not known on the host
         if copies is not None:
             _check_values(copies, *log_probs.shape, targets.shape[1])
-            cu = copies.wait()[0]
-            longest = int(np.diff(cu).max()) if len(cu) > 1 else 0
         return _padded_stage_loss(log_probs, cu_seqlens, targets, target_lengths, blank, reduction,
-                                  zero_infinity, longest)
+                                  zero_infinity, _longest_utterance(copies, log_probs.shape[0]))
     if copies is not None and copies.done is None:
         _check_values(copies, *log_probs.shape, targets.shape[1])  # on the CPU: before any kernel
     loss = _ctc_loss(log_probs, cu_seqlens, targets, target_lengths, blank, reduction, zero_infinity)[0]

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from typing import Optional
+from typing import Optional, Tuple
 
 import numpy as np
 import torch
@@ -45,6 +45,14 @@ __all__ = [
     "ctc_gradient_config",
     "ctc_gradient_kernel",
     "ctc_label_groups_kernel",
+    "ctc_linear_backward_triton",
+    "ctc_linear_forward_triton",
+    "ctc_logits_backward_triton",
+    "ctc_logits_forward_triton",
+    "ctc_logits_gradient_kernel",
+    "ctc_logits_normaliser_kernel",
+    "LINEAR_CHUNK_ELEMENTS",
+    "linear_chunk_frames",
 ]
 
 #: How the gradient kernel weighs each utterance's loss (the batch reduction's
@@ -203,6 +211,69 @@ def ctc_alpha_beta_pairs_kernel(
 
 
 @triton.jit
+def _owner_of_rows(rows, cu_seqlens_ptr, B, ROWS: tl.constexpr, BLOCK_B: tl.constexpr):
+    """The utterance owning each packed row: the number of utterances that end at or
+    before it (clamped to ``B - 1``, so rows beyond ``T_total`` read a real utterance)."""
+    owner = tl.zeros((ROWS,), dtype=tl.int32)
+    for first in range(0, B, BLOCK_B):
+        ids = first + tl.arange(0, BLOCK_B)
+        ends = tl.load(cu_seqlens_ptr + 1 + ids, mask=ids < B, other=0).to(tl.int32)
+        ended = (ends[None, :] <= rows[:, None]) & (ids < B)[None, :]
+        owner += tl.sum(ended.to(tl.int32), axis=1)
+    return tl.minimum(owner, B - 1)
+
+
+@triton.jit
+def _label_class_totals(
+    lp_rows, stride_lp_c, normaliser, row_ok, owner, L, nll, alpha_rows, beta_rows,
+    group_labels_ptr, group_slots_ptr, group_starts_ptr, stride_groups, C, U, blank,
+    BLOCK_K: tl.constexpr,
+):
+    """The occupancy of each class of the target (and the blank) at each row, summed over
+    its repeats: ``(column, lp, total, writes)``, each ``(ROWS, BLOCK_K)``.
+
+    Row ``t``'s log-probabilities are ``lp[t, c] = scores[t, c] - normaliser[t]`` (the
+    log-probabilities themselves with a zero normaliser, or logits and their per-row
+    log-sum-exp). Slot ``j`` of the sorted list (see :func:`ctc_label_groups_kernel`)
+    holds class ``column[j]`` and ``lp[t, column[j]]``; where ``writes[j]`` (the last slot
+    of its class's run), ``total[j]`` is the class's occupancy
+    ``o_t(c) = sum_{s: l'_s = c} exp(alpha_t(s) + beta_t(s) - lp[t, c] + nll)``.
+    """
+    NEG_INF: tl.constexpr = float("-inf")
+    k = tl.arange(0, BLOCK_K)
+    lp_blank = tl.load(lp_rows + blank * stride_lp_c, mask=row_ok, other=0.0).to(nll.dtype) - normaliser
+    blank_ok = row_ok[:, None] & (k[None, :] <= L[:, None])
+    blank_gamma = (tl.load(alpha_rows[:, None] + 2 * k[None, :], mask=blank_ok, other=NEG_INF)
+                   + tl.load(beta_rows[:, None] + 2 * k[None, :], mask=blank_ok, other=NEG_INF))
+    blank_occupancy = tl.where(blank_gamma == NEG_INF, 0.0,
+                               tl.exp(blank_gamma - lp_blank[:, None] + nll[:, None]))
+    blank_total = tl.sum(blank_occupancy, axis=1)
+
+    groups = owner.to(tl.int64)[:, None] * stride_groups + k[None, :]
+    in_list = row_ok[:, None] & (k < U + 1)[None, :]
+    label = tl.load(group_labels_ptr + groups, mask=in_list, other=C)
+    slot = tl.load(group_slots_ptr + groups, mask=in_list, other=U)
+    run_start = tl.load(group_starts_ptr + groups, mask=in_list, other=0)
+    label_after = tl.load(group_labels_ptr + groups + 1, mask=row_ok[:, None] & (k + 1 < U + 1)[None, :],
+                          other=-1)
+    used = in_list & (label < C) & (label >= 0)
+    column = tl.where(used, label, 0)
+    lp = tl.load(lp_rows[:, None] + column * stride_lp_c, mask=used, other=0.0).to(nll.dtype) - normaliser[:, None]
+    is_blank_slot = slot >= U
+    slot_ok = used & (~is_blank_slot) & (slot < L[:, None])
+    label_state = 2 * tl.where(slot_ok, slot, 0) + 1
+    slot_gamma = (tl.load(alpha_rows[:, None] + label_state, mask=slot_ok, other=NEG_INF)
+                  + tl.load(beta_rows[:, None] + label_state, mask=slot_ok, other=NEG_INF))
+    occupancy = tl.where(slot_gamma == NEG_INF, 0.0, tl.exp(slot_gamma - lp + nll[:, None]))
+    occupancy = tl.where(is_blank_slot, blank_total[:, None], occupancy)
+    prefix = tl.cumsum(occupancy, axis=1)
+    before_run = tl.gather(prefix, tl.maximum(run_start - 1, 0), 1)
+    total = prefix - tl.where(run_start > 0, before_run, 0.0)
+    writes = used & (label != label_after)
+    return column, lp, total, writes
+
+
+@triton.jit
 def ctc_gradient_kernel(
     log_probs_ptr, stride_lp_t, stride_lp_c,
     grad_ptr, stride_grad_t,
@@ -252,14 +323,7 @@ def ctc_gradient_kernel(
     NEG_INF: tl.constexpr = float("-inf")
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     row_ok = rows < T_total
-    # the utterance owning each row: the number of utterances that end at or before it
-    owner = tl.zeros((ROWS,), dtype=tl.int32)
-    for first in range(0, B, BLOCK_B):
-        ids = first + tl.arange(0, BLOCK_B)
-        ends = tl.load(cu_seqlens_ptr + 1 + ids, mask=ids < B, other=0).to(tl.int32)
-        ended = (ends[None, :] <= rows[:, None]) & (ids < B)[None, :]
-        owner += tl.sum(ended.to(tl.int32), axis=1)
-    owner = tl.minimum(owner, B - 1)
+    owner = _owner_of_rows(rows, cu_seqlens_ptr, B, ROWS, BLOCK_B)
     L = tl.minimum(tl.maximum(tl.load(target_lengths_ptr + owner).to(tl.int32), 0), U)
     nll = tl.load(nll_ptr + owner)
     g = tl.load(grad_loss_ptr + owner * stride_grad_loss).to(nll.dtype)
@@ -283,36 +347,9 @@ def ctc_gradient_kernel(
         tl.store(grad_rows[:, None] + cols[None, :], value.to(grad_ptr.dtype.element_ty), mask=inside)
 
     # Pass 2: the target classes and the blank.
-    k = tl.arange(0, BLOCK_K)
-    lp_blank = tl.load(lp_rows + blank * stride_lp_c, mask=row_ok, other=0.0).to(nll.dtype)
-    blank_ok = row_ok[:, None] & (k[None, :] <= L[:, None])
-    blank_gamma = (tl.load(alpha_rows[:, None] + 2 * k[None, :], mask=blank_ok, other=NEG_INF)
-                   + tl.load(beta_rows[:, None] + 2 * k[None, :], mask=blank_ok, other=NEG_INF))
-    blank_occupancy = tl.where(blank_gamma == NEG_INF, 0.0,
-                               tl.exp(blank_gamma - lp_blank[:, None] + nll[:, None]))
-    blank_total = tl.sum(blank_occupancy, axis=1)
-
-    groups = owner.to(tl.int64)[:, None] * stride_groups + k[None, :]
-    in_list = row_ok[:, None] & (k < U + 1)[None, :]
-    label = tl.load(group_labels_ptr + groups, mask=in_list, other=C)
-    slot = tl.load(group_slots_ptr + groups, mask=in_list, other=U)
-    run_start = tl.load(group_starts_ptr + groups, mask=in_list, other=0)
-    label_after = tl.load(group_labels_ptr + groups + 1, mask=row_ok[:, None] & (k + 1 < U + 1)[None, :],
-                          other=-1)
-    used = in_list & (label < C) & (label >= 0)
-    column = tl.where(used, label, 0)
-    lp = tl.load(lp_rows[:, None] + column * stride_lp_c, mask=used, other=0.0).to(nll.dtype)
-    is_blank_slot = slot >= U
-    slot_ok = used & (~is_blank_slot) & (slot < L[:, None])
-    label_state = 2 * tl.where(slot_ok, slot, 0) + 1
-    slot_gamma = (tl.load(alpha_rows[:, None] + label_state, mask=slot_ok, other=NEG_INF)
-                  + tl.load(beta_rows[:, None] + label_state, mask=slot_ok, other=NEG_INF))
-    occupancy = tl.where(slot_gamma == NEG_INF, 0.0, tl.exp(slot_gamma - lp + nll[:, None]))
-    occupancy = tl.where(is_blank_slot, blank_total[:, None], occupancy)
-    prefix = tl.cumsum(occupancy, axis=1)
-    before_run = tl.gather(prefix, tl.maximum(run_start - 1, 0), 1)
-    total = prefix - tl.where(run_start > 0, before_run, 0.0)
-    writes = used & (label != label_after)
+    column, lp, total, writes = _label_class_totals(
+        lp_rows, stride_lp_c, tl.zeros((ROWS,), dtype=nll.dtype), row_ok, owner, L, nll, alpha_rows, beta_rows,
+        group_labels_ptr, group_slots_ptr, group_starts_ptr, stride_groups, C, U, blank, BLOCK_K)
     # the last term is 0, or NaN exactly where pass 1 wrote NaN
     value = (tl.exp(lp) * g[:, None] - total * g[:, None]
              - tl.exp(NEG_INF + nll[:, None] - lp) * g[:, None])
@@ -371,6 +408,146 @@ def ctc_label_groups_kernel(
 
 
 
+@triton.jit
+def ctc_logits_normaliser_kernel(
+    logits_ptr, stride_lg_t, stride_lg_c,
+    row_offset, n_rows,
+    cu_seqlens_ptr,
+    targets_ptr, stride_tg_b, stride_tg_u,
+    lse_ptr, gathered_ptr, stride_gathered,
+    B, C, U, blank,
+    ROWS: tl.constexpr,
+    BLOCK_B: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+):
+    """Each frame's normaliser and the log-probabilities of its utterance's label columns,
+    for ``n_rows`` rows of logits; grid ``(cdiv(n_rows, ROWS),)``.
+
+    Row ``i`` of ``logits`` is packed frame ``t = row_offset + i`` (a chunk of the packed
+    rows, or all of them), of utterance ``b``. With ``z = logits[i]``::
+
+        lse[t]         = log sum_c exp(z[c])              (one pass, a running maximum)
+        gathered[t, k] = z[l_k] - lse[t]                  (k < U: target id l_k = targets[b, k])
+        gathered[t, U] = z[blank] - lse[t]
+
+    so the recursion reads ``U + 1`` log-probabilities per frame and never the ``C`` of a
+    log-softmax row. Ids beyond a target's length are clamped to ``[0, C)`` and their
+    columns are never used. Sums in the dtype of ``lse`` (float32, float64 for float64).
+    """
+    NEG_INF: tl.constexpr = float("-inf")
+    local = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    row_ok = local < n_rows
+    rows = row_offset + local
+    owner = _owner_of_rows(rows, cu_seqlens_ptr, B, ROWS, BLOCK_B)
+    dtype = lse_ptr.dtype.element_ty
+    z_rows = logits_ptr + local.to(tl.int64) * stride_lg_t
+
+    running_max = tl.full((ROWS,), NEG_INF, dtype=dtype)
+    running_sum = tl.zeros((ROWS,), dtype=dtype)
+    for first in range(0, C, BLOCK_C):
+        cols = first + tl.arange(0, BLOCK_C)
+        inside = row_ok[:, None] & (cols < C)[None, :]
+        z = tl.load(z_rows[:, None] + cols[None, :] * stride_lg_c, mask=inside, other=NEG_INF).to(dtype)
+        new_max = tl.maximum(running_max, tl.max(z, axis=1))
+        # a row whose logits so far are all -inf keeps a zero sum instead of -inf - -inf = NaN
+        shift = tl.where(new_max == NEG_INF, 0.0, new_max)
+        running_sum = running_sum * tl.exp(running_max - shift) + tl.sum(tl.exp(z - shift[:, None]), axis=1)
+        running_max = new_max
+    lse = tl.log(running_sum) + tl.where(running_max == NEG_INF, 0.0, running_max)
+    tl.store(lse_ptr + rows, lse, mask=row_ok)
+
+    k = tl.arange(0, BLOCK_K)
+    target_row = targets_ptr + owner.to(tl.int64)[:, None] * stride_tg_b
+    ids = tl.load(target_row + k[None, :] * stride_tg_u, mask=row_ok[:, None] & (k < U)[None, :], other=0)
+    ids = tl.minimum(tl.maximum(ids.to(tl.int32), 0), C - 1)
+    ids = tl.where((k == U)[None, :], blank, ids)
+    in_list = row_ok[:, None] & (k < U + 1)[None, :]
+    z = tl.load(z_rows[:, None] + ids * stride_lg_c, mask=in_list, other=0.0).to(dtype)
+    out = gathered_ptr + rows.to(tl.int64)[:, None] * stride_gathered + k[None, :]
+    tl.store(out, z - lse[:, None], mask=in_list)
+
+
+@triton.jit
+def ctc_logits_gradient_kernel(
+    logits_ptr, stride_lg_t, stride_lg_c,
+    grad_ptr, stride_grad_t, stride_grad_c,
+    row_offset, n_rows,
+    cu_seqlens_ptr, target_lengths_ptr,
+    nll_ptr, grad_loss_ptr, stride_grad_loss, lse_ptr,
+    alpha_ptr, beta_ptr, stride_state,
+    group_labels_ptr, group_slots_ptr, group_starts_ptr, stride_groups,
+    B, C, U, blank,
+    ZERO_INFINITY: tl.constexpr,
+    REDUCTION: tl.constexpr,
+    ROWS: tl.constexpr,
+    BLOCK_B: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+):
+    """Gradient of the loss with respect to the logits, for ``n_rows`` rows; grid ``(cdiv(n_rows, ROWS),)``.
+
+    Row ``i`` is packed frame ``t = row_offset + i`` of utterance ``b``; ``g`` is the
+    gradient of the loss with respect to ``nll_b`` (as in :func:`ctc_gradient_kernel`).
+    The CTC loss of ``log_softmax(z)`` has the gradient::
+
+        dlogits[t, c] = g (softmax(z)[t, c] - o_t(c)),   softmax(z)[t, c] = exp(z[t, c] - lse[t])
+
+    where the occupancy ``o_t(c)`` (see :func:`_label_class_totals`, with
+    ``lp = z - lse``) is non-zero only on the blank and the target's classes, its repeats
+    summed. Pass 1 writes ``g softmax`` over the whole row, reading each logit once; pass 2
+    writes the ``U + 1`` label columns with the occupancy subtracted. Their logits are read
+    before pass 1 runs, so ``grad`` may be ``logits`` itself (the gradient written in
+    place). An impossible utterance (``nll = inf``) gets NaN rows, as the composition with
+    PyTorch's ``log_softmax`` gives, or zero rows with ``ZERO_INFINITY``. A logit of
+    ``-inf`` gets a zero gradient (its softmax and occupancy are 0).
+    """
+    local = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    row_ok = local < n_rows
+    rows = row_offset + local
+    owner = _owner_of_rows(rows, cu_seqlens_ptr, B, ROWS, BLOCK_B)
+    L = tl.minimum(tl.maximum(tl.load(target_lengths_ptr + owner).to(tl.int32), 0), U)
+    nll = tl.load(nll_ptr + owner)
+    g = tl.load(grad_loss_ptr + owner * stride_grad_loss).to(nll.dtype)
+    if REDUCTION == REDUCTION_MEAN:
+        g = g / B / tl.maximum(L, 1).to(nll.dtype)
+    lse = tl.load(lse_ptr + rows, mask=row_ok, other=0.0)
+    impossible = (nll == float("inf"))[:, None]
+    if ZERO_INFINITY:
+        undefined = 0.0
+    else:
+        undefined = float("nan")
+
+    local64 = local.to(tl.int64)
+    rows64 = rows.to(tl.int64)
+    z_rows = logits_ptr + local64 * stride_lg_t
+    grad_rows = grad_ptr + local64 * stride_grad_t
+    alpha_rows = alpha_ptr + rows64 * stride_state
+    beta_rows = beta_ptr + rows64 * stride_state
+
+    # The label columns first: their logits must be read before pass 1 may overwrite them.
+    column, lp, total, writes = _label_class_totals(
+        z_rows, stride_lg_c, lse, row_ok, owner, L, nll, alpha_rows, beta_rows,
+        group_labels_ptr, group_slots_ptr, group_starts_ptr, stride_groups, C, U, blank, BLOCK_K)
+    label_value = tl.where(impossible, undefined, (tl.exp(lp) - total) * g[:, None])
+    tl.debug_barrier()
+
+    # Pass 1: the softmax over the whole vocabulary.
+    for first in range(0, C, BLOCK_C):
+        cols = first + tl.arange(0, BLOCK_C)
+        inside = row_ok[:, None] & (cols < C)[None, :]
+        z = tl.load(z_rows[:, None] + cols[None, :] * stride_lg_c, mask=inside, other=0.0).to(nll.dtype)
+        value = tl.where(impossible, undefined, tl.exp(z - lse[:, None]) * g[:, None])
+        tl.store(grad_rows[:, None] + cols[None, :] * stride_grad_c, value.to(grad_ptr.dtype.element_ty),
+                 mask=inside)
+
+    # Pass 2: the target classes and the blank; pass 1's stores there, from other threads,
+    # must land first.
+    tl.debug_barrier()
+    tl.store(grad_rows[:, None] + column * stride_grad_c, label_value.to(grad_ptr.dtype.element_ty), mask=writes)
+
+
+
 # ---------------------------------------------------------------------------------------
 # the launchers
 
@@ -415,27 +592,13 @@ def ctc_forward_config(U: int) -> CTCForwardConfig:
     )
 
 
-@runtime.on_inputs_device
-def ctc_forward_triton(log_probs, cu_seqlens, targets, target_lengths, blank: int, config: CTCForwardConfig):
-    """Per-utterance losses ``nll`` (B,), the ``(2, T_total, 2U + 1)`` alpha/beta state
-    (``-inf`` beyond each target's ``2L + 1`` states) and the sorted label slots
-    ``(labels, slots, run_starts)``, each int32 ``(B, U + 1)``.
-
-    ``cu_seqlens`` and ``target_lengths`` must be contiguous; ``log_probs`` and
-    ``targets`` may have any strides.
-    """
-    T_total, C = log_probs.shape
-    B, U = cu_seqlens.shape[0] - 1, targets.shape[1]
-    dtype = compute_dtype(log_probs.dtype)
-    device = log_probs.device
-    nll = torch.empty(B, dtype=dtype, device=device)
-    # state[0] holds alpha, state[1] beta, one row per packed frame
-    state = torch.empty((2, T_total, 2 * U + 1), dtype=dtype, device=device)
-    # each utterance's label slots sorted by class (see ctc_label_groups_kernel)
-    labels, slots, run_starts = (torch.empty((B, U + 1), dtype=torch.int32, device=device) for _ in range(3))
-    if B == 0:
-        return nll, state, labels, slots, run_starts
-    with _kernel_numerics():
+def _label_groups(targets, target_lengths, C: int, blank: int, config: CTCForwardConfig):
+    """Each utterance's label slots sorted by class (see :func:`ctc_label_groups_kernel`):
+    ``(labels, slots, run_starts)``, each int32 ``(B, U + 1)``."""
+    B, U = targets.shape
+    labels, slots, run_starts = (torch.empty((B, U + 1), dtype=torch.int32, device=targets.device)
+                                 for _ in range(3))
+    if B:
         ctc_label_groups_kernel[(B,)](
             targets, targets.stride(0), targets.stride(1),
             target_lengths,
@@ -445,6 +608,19 @@ def ctc_forward_triton(log_probs, cu_seqlens, targets, target_lengths, blank: in
             BLOCK_J=config.sort_block,
             num_warps=config.sort_num_warps,
         )
+    return labels, slots, run_starts
+
+
+def _alpha_beta(log_probs, cu_seqlens, targets, target_lengths, blank: int, U: int, config: CTCForwardConfig):
+    """``(nll, state)`` from :func:`ctc_alpha_beta_pairs_kernel` over ``log_probs``' columns;
+    ``U`` is the width the state is laid out for (the targets may be narrower)."""
+    T_total, C = log_probs.shape
+    B = cu_seqlens.shape[0] - 1
+    dtype = compute_dtype(log_probs.dtype)
+    nll = torch.empty(B, dtype=dtype, device=log_probs.device)
+    # state[0] holds alpha, state[1] beta, one row per packed frame
+    state = torch.empty((2, T_total, 2 * U + 1), dtype=dtype, device=log_probs.device)
+    if B:
         ctc_alpha_beta_pairs_kernel[(B, 2)](
             log_probs, log_probs.stride(0), log_probs.stride(1),
             cu_seqlens,
@@ -456,7 +632,22 @@ def ctc_forward_triton(log_probs, cu_seqlens, targets, target_lengths, blank: in
             BLOCK_U=config.block_labels,
             num_warps=config.recursion_num_warps,
         )
-    return nll, state, labels, slots, run_starts
+    return nll, state
+
+
+@runtime.on_inputs_device
+def ctc_forward_triton(log_probs, cu_seqlens, targets, target_lengths, blank: int, config: CTCForwardConfig):
+    """Per-utterance losses ``nll`` (B,), the ``(2, T_total, 2U + 1)`` alpha/beta state
+    (``-inf`` beyond each target's ``2L + 1`` states) and the sorted label slots
+    ``(labels, slots, run_starts)``, each int32 ``(B, U + 1)``.
+
+    ``cu_seqlens`` and ``target_lengths`` must be contiguous; ``log_probs`` and
+    ``targets`` may have any strides.
+    """
+    with _kernel_numerics():
+        groups = _label_groups(targets, target_lengths, log_probs.shape[1], blank, config)
+        nll, state = _alpha_beta(log_probs, cu_seqlens, targets, target_lengths, blank, targets.shape[1], config)
+    return (nll, state, *groups)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -532,3 +723,212 @@ def ctc_backward_triton(grad_loss, log_probs, cu_seqlens, targets, target_length
             num_warps=config.num_warps,
         )
     return grad
+
+
+# ---------------------------------------------------------------------------------------
+# the loss from logits, and from a linear layer's input
+
+#: Elements of one chunk's logits that :func:`linear_chunk_frames` allows: 2**25 (64 MiB
+#: in bfloat16), enough rows for the chunk's matrix products to run at full speed.
+LINEAR_CHUNK_ELEMENTS = 2 ** 25
+
+
+def linear_chunk_frames(C: int) -> int:
+    """Frames per chunk of :func:`~packed_kernels.linear_packed_ctc_loss` when the caller
+    gives none: as many as keep one chunk's ``(chunk_frames, C)`` logits within
+    :data:`LINEAR_CHUNK_ELEMENTS` elements, and at least one. (A batch of fewer frames is
+    one chunk of its own size.)"""
+    return max(1, LINEAR_CHUNK_ELEMENTS // max(C, 1))
+
+
+def _gathered_targets(labels, slots, run_starts, U: int):
+    """The targets of the recursion over the gathered columns (:func:`ctc_logits_normaliser_kernel`):
+    slot ``k``'s id becomes the first slot holding the same class. Column ``first`` holds
+    the same log-probabilities as column ``k``, and equal classes keep equal ids, which is
+    all the recursion compares (the skip rule)."""
+    first = slots.gather(1, run_starts.long())
+    return torch.empty_like(slots).scatter_(1, slots.long(), first)[:, :U]
+
+
+def _normalise_rows(logits, row_offset: int, cu_seqlens, targets, lse, gathered, blank: int,
+                    config: CTCGradientConfig):
+    """:func:`ctc_logits_normaliser_kernel` over ``logits``, packed rows ``row_offset`` onwards."""
+    n_rows, C = logits.shape
+    B, U = cu_seqlens.shape[0] - 1, targets.shape[1]
+    if n_rows == 0 or B == 0:
+        return
+    ctc_logits_normaliser_kernel[(runtime.cdiv(n_rows, config.rows_per_program),)](
+        logits, logits.stride(0), logits.stride(1),
+        row_offset, n_rows,
+        cu_seqlens,
+        targets, targets.stride(0), targets.stride(1),
+        lse, gathered, gathered.stride(0),
+        B, C, U, blank,
+        ROWS=config.rows_per_program,
+        BLOCK_B=config.block_batch,
+        BLOCK_K=config.block_labels,
+        BLOCK_C=config.block_classes,
+        num_warps=config.num_warps,
+    )
+
+
+def _recursion_over_gathered(gathered, cu_seqlens, target_lengths, groups, config: CTCForwardConfig):
+    """``(nll, state)``: the alpha/beta recursion over the ``U + 1`` gathered columns."""
+    U = gathered.shape[1] - 1
+    return _alpha_beta(gathered, cu_seqlens, _gathered_targets(*groups, U), target_lengths, U, U, config)
+
+
+@runtime.on_inputs_device
+def ctc_logits_forward_triton(logits, cu_seqlens, targets, target_lengths, blank: int,
+                              forward_config: CTCForwardConfig, rows_config: CTCGradientConfig):
+    """The loss of ``log_softmax(logits)``: ``(nll, lse, state, labels, slots, run_starts)``.
+
+    As :func:`ctc_forward_triton`, plus ``lse`` (T_total,), each frame's log-sum-exp.
+    The ``(T_total, U + 1)`` gathered log-probabilities the recursion reads are freed on
+    return: what the gradient needs is ``logits``, ``lse`` and the state.
+    """
+    T_total, C = logits.shape
+    U = targets.shape[1]
+    dtype = compute_dtype(logits.dtype)
+    lse = torch.empty(T_total, dtype=dtype, device=logits.device)
+    gathered = torch.empty((T_total, U + 1), dtype=dtype, device=logits.device)
+    with _kernel_numerics():
+        groups = _label_groups(targets, target_lengths, C, blank, forward_config)
+        _normalise_rows(logits, 0, cu_seqlens, targets, lse, gathered, blank, rows_config)
+        nll, state = _recursion_over_gathered(gathered, cu_seqlens, target_lengths, groups, forward_config)
+    return (nll, lse, state, *groups)
+
+
+def _project(hidden, weight, bias, out):
+    """``hidden @ weight.T + bias`` into ``out`` (rows of a reused chunk buffer)."""
+    if bias is None:
+        return torch.mm(hidden, weight.t(), out=out)
+    return torch.addmm(bias, hidden, weight.t(), out=out)
+
+
+def _chunk_starts(T_total: int, chunk_frames: int):
+    return range(0, T_total, chunk_frames)
+
+
+@runtime.on_inputs_device
+def ctc_linear_forward_triton(hidden, weight, bias, cu_seqlens, targets, target_lengths, blank: int,
+                              chunk_frames: int, forward_config: CTCForwardConfig,
+                              rows_config: CTCGradientConfig):
+    """The loss of ``log_softmax(hidden @ weight.T + bias)``, ``chunk_frames`` rows of logits
+    at a time: the outputs of :func:`ctc_logits_forward_triton`.
+
+    Each chunk's logits go into one reused ``(chunk_frames, C)`` buffer, are reduced to
+    their rows of ``lse`` and of the gathered label log-probabilities, and are overwritten
+    by the next chunk. A chunk may end inside an utterance: the recursion runs once all
+    rows are gathered. The products run with autocast off (the public function has cast
+    the inputs as ``F.linear`` would).
+    """
+    T_total, C = hidden.shape[0], weight.shape[0]
+    U = targets.shape[1]
+    dtype = compute_dtype(hidden.dtype)
+    lse = torch.empty(T_total, dtype=dtype, device=hidden.device)
+    gathered = torch.empty((T_total, U + 1), dtype=dtype, device=hidden.device)
+    buffer = hidden.new_empty((min(chunk_frames, T_total), C))
+    with _kernel_numerics(), torch.autocast(hidden.device.type, enabled=False):
+        groups = _label_groups(targets, target_lengths, C, blank, forward_config)
+        for start in _chunk_starts(T_total, chunk_frames):
+            rows = hidden[start:start + chunk_frames]
+            logits = _project(rows, weight, bias, buffer[:rows.shape[0]])
+            _normalise_rows(logits, start, cu_seqlens, targets, lse, gathered, blank, rows_config)
+        nll, state = _recursion_over_gathered(gathered, cu_seqlens, target_lengths, groups, forward_config)
+    return (nll, lse, state, *groups)
+
+
+def _logits_gradient(logits, grad, row_offset: int, grad_loss, cu_seqlens, target_lengths, nll, lse, state,
+                     labels, slots, run_starts, blank: int, reduction: str, zero_infinity: bool,
+                     config: CTCGradientConfig):
+    """:func:`ctc_logits_gradient_kernel` over ``logits``, packed rows ``row_offset`` onwards,
+    into ``grad`` (which may be ``logits``)."""
+    n_rows, C = logits.shape
+    B, U = cu_seqlens.shape[0] - 1, labels.shape[1] - 1
+    if n_rows == 0:
+        return
+    grad_stride = grad_loss.stride(0) if grad_loss.dim() == 1 else 0
+    ctc_logits_gradient_kernel[(runtime.cdiv(n_rows, config.rows_per_program),)](
+        logits, logits.stride(0), logits.stride(1),
+        grad, grad.stride(0), grad.stride(1),
+        row_offset, n_rows,
+        cu_seqlens, target_lengths,
+        nll, grad_loss, grad_stride, lse,
+        state[0], state[1], state.stride(1),
+        labels, slots, run_starts, labels.stride(0),
+        B, C, U, blank,
+        ZERO_INFINITY=bool(zero_infinity),
+        REDUCTION=REDUCTION_CODES[reduction],
+        ROWS=config.rows_per_program,
+        BLOCK_B=config.block_batch,
+        BLOCK_K=config.block_labels,
+        BLOCK_C=config.block_classes,
+        num_warps=config.num_warps,
+    )
+
+
+@runtime.on_inputs_device
+def ctc_logits_backward_triton(grad_loss, logits, cu_seqlens, target_lengths, nll, lse, state, labels, slots,
+                               run_starts, blank: int, reduction: str, zero_infinity: bool,
+                               config: CTCGradientConfig):
+    """``d loss / d logits`` (T_total, C) in logits' dtype, from the gradient of the reduced
+    loss (as in :func:`ctc_backward_triton`) and :func:`ctc_logits_forward_triton`'s outputs."""
+    T_total, C = logits.shape
+    grad = torch.empty((T_total, C), dtype=logits.dtype, device=logits.device)
+    if cu_seqlens.shape[0] == 1 or T_total == 0:
+        return grad.zero_()
+    grad_loss = grad_loss.to(nll.dtype)
+    with _kernel_numerics():
+        _logits_gradient(logits, grad, 0, grad_loss, cu_seqlens, target_lengths, nll, lse, state, labels, slots,
+                         run_starts, blank, reduction, zero_infinity, config)
+    return grad
+
+
+@runtime.on_inputs_device
+def ctc_linear_backward_triton(grad_loss, hidden, weight, bias, cu_seqlens, target_lengths, nll, lse, state,
+                               labels, slots, run_starts, blank: int, reduction: str, zero_infinity: bool,
+                               chunk_frames: int, needs: Tuple[bool, bool, bool], config: CTCGradientConfig):
+    """``(grad_hidden, grad_weight, grad_bias)`` of the loss of :func:`ctc_linear_forward_triton`,
+    each in its input's dtype, ``None`` where ``needs`` (hidden, weight, bias) says no.
+
+    Each chunk's logits are recomputed into the reused buffer, turned into their gradient
+    there (:func:`ctc_logits_gradient_kernel`, in place), and multiplied out::
+
+        grad_hidden[chunk] = dlogits @ weight
+        grad_weight       += dlogits.T @ hidden[chunk]
+        grad_bias         += dlogits.sum(0)
+
+    For float16 and bfloat16 over several chunks the sums over chunks are kept in float32
+    (each chunk's product rounded once), as one product over all frames would accumulate.
+    """
+    T_total, D = hidden.shape
+    C = weight.shape[0]
+    needs_hidden, needs_weight, needs_bias = needs
+    needs_bias = needs_bias and bias is not None
+    starts = _chunk_starts(T_total, chunk_frames)
+    low_precision = hidden.dtype in (torch.float16, torch.bfloat16) and len(starts) > 1
+    accumulate = torch.float32 if low_precision else hidden.dtype
+    grad_hidden = torch.zeros((T_total, D), dtype=hidden.dtype, device=hidden.device) if needs_hidden else None
+    grad_weight = torch.zeros((C, D), dtype=accumulate, device=hidden.device) if needs_weight else None
+    grad_bias = torch.zeros(C, dtype=accumulate, device=hidden.device) if needs_bias else None
+    if cu_seqlens.shape[0] > 1 and T_total > 0 and any(needs):
+        grad_loss = grad_loss.to(nll.dtype)
+        buffer = hidden.new_empty((min(chunk_frames, T_total), C))
+        with _kernel_numerics(), torch.autocast(hidden.device.type, enabled=False):
+            for start in starts:
+                rows = hidden[start:start + chunk_frames]
+                dlogits = _project(rows, weight, bias, buffer[:rows.shape[0]])
+                _logits_gradient(dlogits, dlogits, start, grad_loss, cu_seqlens, target_lengths, nll, lse, state,
+                                 labels, slots, run_starts, blank, reduction, zero_infinity, config)
+                if needs_hidden:
+                    torch.mm(dlogits, weight, out=grad_hidden[start:start + rows.shape[0]])
+                if needs_weight:
+                    if low_precision:
+                        grad_weight += torch.mm(dlogits.t(), rows)
+                    else:
+                        grad_weight.addmm_(dlogits.t(), rows)
+                if needs_bias:
+                    grad_bias += dlogits.sum(0, dtype=accumulate)
+    cast = (lambda t: None if t is None else t.to(hidden.dtype))
+    return grad_hidden, cast(grad_weight), cast(grad_bias)
