@@ -21,6 +21,9 @@ Where they run:
   not batched tensors, and a clear error says so.
 * ``meta`` tensors and ``FakeTensorMode`` infer the output shapes and dtypes without
   running a kernel.
+* While ``torch.compile`` traces or a CUDA graph is captured, ``idx`` is not read on the
+  host: instead of its value checks it is clamped to ``[0, num_segments)``, so that no
+  value can make a kernel read or write out of bounds.
 * Tensors the kernels do not take (CPU tensors on a machine whose kernels are compiled
   for a GPU) are computed by the padded PyTorch stage (:mod:`.padded_torch`), with the
   same results, dtypes and gradients of both orders (through autograd).
@@ -130,7 +133,12 @@ def _check_idx(idx, n_rows: int, num_segments: int, rows_name: str) -> Tensor:
     once, after its values were checked (a value beyond int32 would wrap). The value
     checks read ``idx`` on the host (one synchronisation); they are skipped while
     ``torch.compile`` traces or a CUDA graph is captured, for ``meta`` tensors and under
-    ``FakeTensorMode``.
+    ``FakeTensorMode``. There ``idx`` is clamped to ``[0, num_segments)`` instead (before
+    the conversion), so that no value can make a kernel read or write out of bounds: a
+    sorted ``idx`` stays sorted and gives the result of the clamped one; an unsorted one
+    gives ``mul`` and ``matvec`` their exact result and the reductions an unspecified one.
+    Rows with no segment to belong to (``num_segments = 0``) are refused from the shapes
+    alone, traced or not.
     """
     check_index_tensor("idx", idx)
     check_rank("idx", idx, 1)
@@ -143,7 +151,11 @@ def _check_idx(idx, n_rows: int, num_segments: int, rows_name: str) -> Tensor:
         if num_segments >= _INT32_LIMIT:
             raise ValueError(f"num_segments must be < 2**31 for an int64 idx (the kernels read int32 segment ids); "
                              f"got {num_segments}")
-    if n_rows > 0 and not is_traced(idx):
+    if n_rows > 0 and num_segments == 0:
+        raise ValueError(f"idx must be < num_segments (0), which no row can meet; got {n_rows} rows")
+    if is_traced(idx):
+        return idx.clamp(0, max(num_segments - 1, 0)).to(torch.int32)
+    if n_rows > 0:
         descending = (idx[1:] < idx[:-1]).sum() if n_rows > 1 else idx.new_zeros(())
         low, high = torch.aminmax(idx)
         low, high, unsorted = torch.stack([low, high, descending.to(idx.dtype)]).tolist()
