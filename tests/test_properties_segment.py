@@ -12,8 +12,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional, Tuple
 
+import pytest
 import torch
-from hypothesis import example, given
+from hypothesis import given
 from hypothesis import strategies as st
 
 import packed_kernels as pk
@@ -83,11 +84,12 @@ class SegmentCase:
 
 
 @st.composite
-def segment_cases(draw, op: str) -> SegmentCase:
-    lengths = tuple(draw(st.lists(st.integers(0, 4), min_size=1, max_size=5)))  # no segments: an explicit example
+def segment_cases(draw, op: str, dtype: torch.dtype) -> SegmentCase:
+    """A random call of ``op`` whose first input is of ``dtype``."""
+    lengths = tuple(draw(st.lists(st.integers(0, 4), min_size=1, max_size=5)))  # no segments: an edge case
     width = draw(st.sampled_from([1, 3, 4]) if op == "matvec" else st.one_of(st.none(), st.integers(1, 4)))
     inputs = 1 if op in ("sum", "mean", "rms_norm") else 2
-    dtypes = (draw(st.sampled_from(DTYPES)),)
+    dtypes = (dtype,)
     if inputs == 2:  # mostly one dtype; a third of the cases promote two
         dtypes += (draw(st.sampled_from(DTYPES)) if draw(st.sampled_from([False, False, True])) else dtypes[0],)
     layouts = tuple(draw(st.sampled_from(LAYOUTS)) for _ in range(inputs))
@@ -167,73 +169,41 @@ def check_segment_operation(case: SegmentCase, device: str) -> None:
         assert_close(f"{case.op} second derivative, input {k}", got, want, atol=2 * tol, rtol=2 * tol)
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("op", sorted(FUNCTIONS))
+@property_settings(max_examples=5)
+@given(data=st.data())
+def test_segment_operation_matches_reference(device, op, dtype, data):
+    check_segment_operation(data.draw(segment_cases(op, dtype), label="case"), device)
+
+
 EVERY_SEGMENT_EMPTY = dict(lengths=(0, 0, 0), width=2, columns=2, broadcast=False, idx_dtype=torch.int32,
                            strided_idx=False, zero_segment=None, seed=1)
-NO_SEGMENTS = dict(EVERY_SEGMENT_EMPTY, lengths=())
-ONE_ROW_SEGMENTS = dict(EVERY_SEGMENT_EMPTY, lengths=(1, 0, 1, 1), idx_dtype=torch.int64, strided_idx=True)
+EDGES = {
+    "every-segment-empty": EVERY_SEGMENT_EMPTY,
+    "no-segments": dict(EVERY_SEGMENT_EMPTY, lengths=()),
+    "one-row-segments": dict(EVERY_SEGMENT_EMPTY, lengths=(1, 0, 1, 1), idx_dtype=torch.int64, strided_idx=True),
+    "zero-rows-of-1-D-input": dict(EVERY_SEGMENT_EMPTY, lengths=(2, 1), width=None, zero_segment=0),
+}
 
 
-def _edges(op: str, inputs: int):
-    """The edge cases every operation runs on besides the drawn ones."""
-    same = dict(dtypes=(torch.float64,) * inputs, layouts=("contiguous",) * inputs)
-    return [SegmentCase(op=op, **edge, **same) for edge in (EVERY_SEGMENT_EMPTY, NO_SEGMENTS, ONE_ROW_SEGMENTS)]
-
-
-def _with_edges(op: str, inputs: int):
-    def decorate(test):
-        for case in _edges(op, inputs):
-            test = example(case=case)(test)
-        return test
-    return decorate
-
-
-@_with_edges("sum", 1)
-@property_settings(max_examples=20)
-@given(case=segment_cases("sum"))
-def test_segmented_sum_matches_reference(device, case):
+@pytest.mark.parametrize("edge", sorted(EDGES))
+@pytest.mark.parametrize("op", sorted(FUNCTIONS))
+def test_segment_operation_on_edge_cases(device, op, edge):
+    inputs = 1 if op in ("sum", "mean", "rms_norm") else 2
+    fields = dict(EDGES[edge], zero_segment=EDGES[edge]["zero_segment"] if op == "rms_norm" else None)
+    if op == "matvec" and fields["width"] is None:
+        fields["width"] = 3  # matvec rows are (N, D)
+    case = SegmentCase(op=op, dtypes=(torch.float64,) * inputs, layouts=("contiguous",) * inputs, **fields)
     check_segment_operation(case, device)
 
 
-@_with_edges("mean", 1)
-@property_settings(max_examples=20)
-@given(case=segment_cases("mean"))
-def test_segmented_mean_matches_reference(device, case):
-    check_segment_operation(case, device)
-
-
-@_with_edges("dot", 2)
-@property_settings(max_examples=20)
-@given(case=segment_cases("dot"))
-def test_segmented_dot_matches_reference(device, case):
-    check_segment_operation(case, device)
-
-
-@_with_edges("mul", 2)
-@property_settings(max_examples=20)
-@given(case=segment_cases("mul"))
-def test_segmented_mul_matches_reference(device, case):
-    check_segment_operation(case, device)
-
-
-@_with_edges("rms_norm", 1)
-@property_settings(max_examples=20)
-@given(case=segment_cases("rms_norm"))
-def test_segmented_rms_norm_matches_reference(device, case):
-    check_segment_operation(case, device)
-
-
-@_with_edges("matvec", 2)
-@property_settings(max_examples=20)
-@given(case=segment_cases("matvec"))
-def test_segmented_matvec_matches_reference(device, case):
-    check_segment_operation(case, device)
-
-
-@property_settings(max_examples=8)
-@given(op=st.sampled_from(sorted(FUNCTIONS)), data=st.data())
-def test_segment_operations_are_bitwise_deterministic(device, op, data):
+@pytest.mark.parametrize("op", sorted(FUNCTIONS))
+@property_settings(max_examples=2)
+@given(dtype=st.sampled_from(DTYPES), data=st.data())
+def test_segment_operation_is_bitwise_deterministic(device, op, dtype, data):
     """The same call twice gives the same bits: output, first and second derivatives."""
-    case = data.draw(segment_cases(op))
+    case = data.draw(segment_cases(op, dtype), label="case")
     values, g = leaf_values(case)
     idx = segment_ids(case, device)
     function = FUNCTIONS[op][0]
