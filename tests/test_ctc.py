@@ -136,6 +136,8 @@ PARITY_CASES = [
     ([17, 12], 5, [5, 6], None, 4, "sum"),
     ([1], 3, [1], None, 1, "mean"),
     ([10, 3, 6, 9], 11, [0, 1, 2, 4], 4, 5, "none"),
+    # U = 16 fills a power of two: the U + 1 label pairs need the next block of lanes and slots
+    ([19, 7], 6, [16, 3], 16, 0, "mean"),
 ]
 
 
@@ -162,6 +164,7 @@ EDGE_CASES = {
     "impossible-zero-infinity": ([3, 7, 2], 6, [3, 2, 2], None, [[1, 1, 1], [2, 3], [4, 4]], True),
     "wide-targets-buffer": ([9, 4], 6, [2, 1], 11, None, False),
     "length-one": ([1, 1, 2], 3, [1, 0, 1], None, None, False),
+    "zero-frames-one-label": ([0, 4, 0], 5, [1, 2, 0], None, None, False),
 }
 
 
@@ -174,14 +177,18 @@ def test_edge_cases(device, case, reduction):
 
 
 def test_impossible_alignment_values(device):
-    """An impossible alignment has an infinite loss and a NaN gradient; zero_infinity makes both 0."""
+    """An impossible alignment has an infinite loss and a NaN gradient on its frames; zero_infinity
+    makes both 0. The possible utterance beside it keeps its loss and gradient (the NumPy stage's)."""
     batch = make_batch([3, 5], 5, [3, 1], labels=[[2, 2, 2], [1]], seed=3, device=device)
-    loss, grad = run_packed(batch, reduction="none")
-    assert torch.isinf(loss[0]) and torch.isfinite(loss[1])
-    assert torch.isnan(grad[:3]).all() and torch.isfinite(grad[3:]).all()
-    loss, grad = run_packed(batch, reduction="none", zero_infinity=True)
-    assert loss[0] == 0 and torch.isfinite(loss[1])
-    assert (grad[:3] == 0).all() and (grad[3:] != 0).any()
+    for zero_infinity in (False, True):
+        loss, grad = run_packed(batch, reduction="none", zero_infinity=zero_infinity)
+        ref_loss, ref_grad = run_numpy(batch, reduction="none", zero_infinity=zero_infinity)
+        if zero_infinity:
+            assert loss[0].item() == 0.0 and torch.equal(grad[:3], torch.zeros_like(grad[:3]))
+        else:
+            assert loss[0].item() == float("inf") and bool(grad[:3].isnan().all())
+        assert_close(f"loss, zero_infinity={zero_infinity}", loss, ref_loss, atol=1e-12, rtol=1e-12)
+        assert_close(f"gradient, zero_infinity={zero_infinity}", grad, ref_grad, atol=1e-12, rtol=1e-10)
 
 
 def test_torch_cpu_quirk_is_where_we_say(device):
@@ -371,6 +378,11 @@ def test_deterministic(device):
     runs = [run_packed(batch, dtype=torch.float32, blank=0, reduction="mean") for _ in range(3)]
     for loss, grad in runs[1:]:
         assert torch.equal(loss, runs[0][0]) and torch.equal(grad, runs[0][1])
+    rounded = batch.log_probs.float().double().cpu().numpy()
+    ref_loss, ref_grad = ctc_loss_numpy(rounded, batch.cu_seqlens.cpu().numpy(), batch.targets.cpu().numpy(),
+                                        batch.target_lengths.cpu().numpy(), 0, "mean", False)
+    assert_close("float32 loss", runs[0][0], torch.from_numpy(np.asarray(ref_loss)), atol=1e-5, rtol=1e-5)
+    assert_close("float32 gradient", runs[0][1], torch.from_numpy(ref_grad), atol=2e-6, rtol=1e-4)
 
 
 def test_empty_batch(device):
@@ -381,65 +393,4 @@ def test_empty_batch(device):
     loss = pk.packed_ctc_loss(x, cu, targets, lengths, reduction="sum")
     assert loss.item() == 0
     loss.backward()
-    assert x.grad.shape == (0, 5)
-
-
-# --------------------------------------------------------------------------------------
-# bad input
-
-
-def _good_arguments(device):
-    batch = make_batch([4, 3], 5, [2, 1], 3, seed=59, device=device)
-    return dict(log_probs=batch.log_probs.float(), cu_seqlens=batch.cu_seqlens, targets=batch.targets,
-                target_lengths=batch.target_lengths)
-
-
-def _other_device(device):
-    return "meta" if device == "cpu" else "cpu"
-
-
-BAD_INPUTS = {
-    # name: (change to the good arguments, error type, words the message must contain)
-    "log_probs-not-tensor": (lambda a, d: dict(a, log_probs=a["log_probs"].tolist()), TypeError, "log_probs"),
-    "log_probs-int": (lambda a, d: dict(a, log_probs=a["log_probs"].long()), TypeError, "log_probs"),
-    "log_probs-3d": (lambda a, d: dict(a, log_probs=a["log_probs"][None]), ValueError, "log_probs must be 2-D"),
-    "cu_seqlens-float": (lambda a, d: dict(a, cu_seqlens=a["cu_seqlens"].float()), TypeError, "cu_seqlens"),
-    "cu_seqlens-2d": (lambda a, d: dict(a, cu_seqlens=a["cu_seqlens"][None]), ValueError, "cu_seqlens must be 1-D"),
-    "cu_seqlens-not-from-0": (lambda a, d: dict(a, cu_seqlens=a["cu_seqlens"] + 1), ValueError, "start at 0"),
-    "cu_seqlens-decreasing": (lambda a, d: dict(a, cu_seqlens=torch.tensor([0, 5, 3], dtype=torch.int32, device=d)),
-                              ValueError, "non-decreasing"),
-    "cu_seqlens-short-of-T_total": (lambda a, d: dict(a, cu_seqlens=a["cu_seqlens"] - torch.tensor(
-        [0, 0, 1], dtype=torch.int32, device=d)), ValueError, "end at T_total"),
-    "targets-1d": (lambda a, d: dict(a, targets=a["targets"][0]), ValueError, "targets must be 2-D"),
-    "targets-float": (lambda a, d: dict(a, targets=a["targets"].float()), TypeError, "targets"),
-    "targets-wrong-batch": (lambda a, d: dict(a, targets=a["targets"][:1]), ValueError, "targets must have shape"),
-    "targets-negative-id": (lambda a, d: dict(a, targets=a["targets"].clone().index_fill_(1, torch.tensor([0], device=d), -1)),
-                            ValueError, "targets must lie in [0, C=5)"),
-    "targets-id-too-large": (lambda a, d: dict(a, targets=a["targets"].clone().index_fill_(1, torch.tensor([0], device=d), 5)),
-                             ValueError, "targets must lie in [0, C=5)"),
-    "target_lengths-2d": (lambda a, d: dict(a, target_lengths=a["target_lengths"][None]), ValueError, "target_lengths"),
-    "target_lengths-wrong-batch": (lambda a, d: dict(a, target_lengths=a["target_lengths"][:1]), ValueError,
-                                   "target_lengths must have shape"),
-    "target_lengths-negative": (lambda a, d: dict(a, target_lengths=a["target_lengths"] - 2), ValueError, ">= 0"),
-    "target_lengths-too-long": (lambda a, d: dict(a, target_lengths=a["target_lengths"] + 2), ValueError, "<= U"),
-    "target_lengths-float": (lambda a, d: dict(a, target_lengths=a["target_lengths"].float()), TypeError,
-                             "target_lengths"),
-    "blank-negative": (lambda a, d: dict(a, blank=-1), ValueError, "blank must lie in [0, C=5)"),
-    "blank-too-large": (lambda a, d: dict(a, blank=5), ValueError, "blank must lie in [0, C=5)"),
-    "blank-not-int": (lambda a, d: dict(a, blank=0.0), TypeError, "blank"),
-    "reduction-unknown": (lambda a, d: dict(a, reduction="average"), ValueError, "reduction"),
-    "zero_infinity-not-bool": (lambda a, d: dict(a, zero_infinity=None), TypeError, "zero_infinity"),
-    "mixed-devices": (lambda a, d: dict(a, targets=a["targets"].to(_other_device(d))), ValueError, "targets must be on"),
-}
-
-
-@pytest.mark.parametrize("case", list(BAD_INPUTS), ids=list(BAD_INPUTS))
-def test_bad_input(device, case):
-    change, error, words = BAD_INPUTS[case]
-    arguments = change(_good_arguments(device), device)
-    with pytest.raises(error, match=words.replace("[", r"\[").replace("(", r"\(").replace(")", r"\)")):
-        pk.packed_ctc_loss(**arguments)
-
-
-def test_good_arguments_pass(device):
-    assert torch.isfinite(pk.packed_ctc_loss(**_good_arguments(device)))
+    assert torch.equal(x.grad, torch.zeros(0, 5, device=device))

@@ -21,7 +21,8 @@ import packed_kernels as pk
 from packed_kernels import runtime
 from packed_kernels.ops.ctc import api as ctc_api
 from tests.assertions import assert_close
-from tests.test_ctc import BAD_INPUTS, _good_arguments, make_batch, run_numpy, run_packed
+from tests.test_ctc import make_batch, run_numpy, run_packed
+from tests.test_ctc_inputs import BAD_INPUTS, good_arguments
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
@@ -287,8 +288,8 @@ FALLBACK_BAD_INPUTS = ["cu_seqlens-not-from-0", "cu_seqlens-decreasing", "cu_seq
 @pytest.mark.parametrize("case", FALLBACK_BAD_INPUTS, ids=FALLBACK_BAD_INPUTS)
 def test_cpu_tensors_checked_on_the_padded_stage(case):
     """The padded stage's inputs get the same value checks as the kernels'."""
-    change, error, words = BAD_INPUTS[case]
-    arguments = change(_good_arguments("cpu"), "cpu")
+    change, error, _, words = BAD_INPUTS[case]
+    arguments = change(good_arguments("cpu"), "cpu")
     with kernels_compiled_for_the_gpu(), pytest.raises(error, match=re.escape(words)):
         pk.packed_ctc_loss(**arguments)
 

@@ -1,0 +1,171 @@
+"""``packed_ctc_loss``: the arguments it refuses, in one table; each row spoils one argument
+of a good call and names the exception, the argument its message must name and words the
+message must contain.
+
+Rows marked *unchecked before* are values that, if they reached the kernels, would give a
+result without an error: the kernels clamp every index they read (see
+``test_trusted_values.py``), and an int64 value beyond int32 would wrap there.
+"""
+from __future__ import annotations
+
+import re
+
+import numpy as np
+import pytest
+import torch
+
+import packed_kernels as pk
+from packed_kernels.ops.ctc.naive_numpy import ctc_loss_numpy
+from tests.assertions import assert_close
+
+
+def good_arguments(device):
+    """Two utterances of 4 and 3 frames, 5 classes, targets padded to U = 3 (junk beyond)."""
+    g = torch.Generator().manual_seed(59)
+    log_probs = torch.randn(7, 5, generator=g).log_softmax(-1).to(device)
+    return dict(log_probs=log_probs, cu_seqlens=torch.tensor([0, 4, 7], dtype=torch.int32, device=device),
+                targets=torch.tensor([[1, 2, -9], [4, 9, 9]], device=device),
+                target_lengths=torch.tensor([2, 1], device=device))
+
+
+def _other_device(device):
+    return "meta" if device == "cpu" else "cpu"
+
+
+def _set(name, make):
+    """A change that replaces argument ``name`` by ``make(arguments, device)``."""
+    return lambda a, d: dict(a, **{name: make(a, d)})
+
+
+def _tensor(values, dtype=torch.int64):
+    return lambda a, d: torch.tensor(values, dtype=dtype, device=d)
+
+
+def _first_target(value):
+    def make(a, d):
+        targets = a["targets"].clone()
+        targets[0, 0] = value
+        return targets
+    return make
+
+
+BAD_INPUTS = {
+    # name: (change to the good arguments, error type, argument the message names, words it contains)
+    # log_probs
+    "log_probs-list": (_set("log_probs", lambda a, d: a["log_probs"].tolist()), TypeError, "log_probs",
+                       "must be a torch.Tensor"),
+    "log_probs-int": (_set("log_probs", lambda a, d: a["log_probs"].long()), TypeError, "log_probs",
+                      "must be float16, bfloat16, float32 or float64; got torch.int64"),
+    "log_probs-bool": (_set("log_probs", lambda a, d: a["log_probs"] > 0), TypeError, "log_probs", "got torch.bool"),
+    "log_probs-1d": (_set("log_probs", lambda a, d: a["log_probs"][:, 0]), ValueError, "log_probs",
+                     "must be 2-D (T_total, C)"),
+    "log_probs-3d": (_set("log_probs", lambda a, d: a["log_probs"][None]), ValueError, "log_probs", "must be 2-D"),
+    "log_probs-no-classes": (_set("log_probs", lambda a, d: a["log_probs"][:, :0]), ValueError, "log_probs",
+                             "must have at least one class"),
+    # cu_seqlens
+    "cu_seqlens-list": (_set("cu_seqlens", lambda a, d: [0, 4, 7]), TypeError, "cu_seqlens", "must be a torch.Tensor"),
+    "cu_seqlens-float": (_set("cu_seqlens", lambda a, d: a["cu_seqlens"].float()), TypeError, "cu_seqlens",
+                         "must be int32 or int64; got torch.float32"),
+    "cu_seqlens-int16": (_set("cu_seqlens", lambda a, d: a["cu_seqlens"].short()), TypeError, "cu_seqlens",
+                         "got torch.int16"),
+    "cu_seqlens-2d": (_set("cu_seqlens", lambda a, d: a["cu_seqlens"][None]), ValueError, "cu_seqlens",
+                      "must be 1-D (B + 1,)"),
+    "cu_seqlens-empty": (_set("cu_seqlens", lambda a, d: a["cu_seqlens"][:0]), ValueError, "cu_seqlens",
+                         "must have B + 1 >= 1 entries"),
+    "cu_seqlens-not-from-0": (_set("cu_seqlens", _tensor([1, 4, 7])), ValueError, "cu_seqlens", "start at 0"),
+    # unchecked before: the kernels clamp a negative start to 0
+    "cu_seqlens-negative-start": (_set("cu_seqlens", _tensor([-1, 4, 7])), ValueError, "cu_seqlens", "start at 0"),
+    "cu_seqlens-decreasing": (_set("cu_seqlens", _tensor([0, 5, 3], torch.int32)), ValueError, "cu_seqlens",
+                              "non-decreasing; got 1 decreasing step(s)"),
+    "cu_seqlens-short-of-T_total": (_set("cu_seqlens", _tensor([0, 4, 6], torch.int32)), ValueError, "cu_seqlens",
+                                    "end at T_total = log_probs.shape[0] = 7"),
+    # unchecked before: the kernels clamp each end to T_total
+    "cu_seqlens-beyond-T_total": (_set("cu_seqlens", _tensor([0, 4, 9])), ValueError, "cu_seqlens", "end at T_total"),
+    # unchecked before: 2**32 + 7 is 7 in int32
+    "cu_seqlens-int64-wraps-to-T_total": (_set("cu_seqlens", _tensor([0, 4, 2 ** 32 + 7])), ValueError, "cu_seqlens",
+                                          "got cu_seqlens[-1] = 4294967303"),
+    "cu_seqlens-other-device": (_set("cu_seqlens", lambda a, d: a["cu_seqlens"].to(_other_device(d))), ValueError,
+                                "cu_seqlens", "must be on log_probs's device"),
+    # targets
+    "targets-list": (_set("targets", lambda a, d: a["targets"].tolist()), TypeError, "targets",
+                     "must be a torch.Tensor"),
+    "targets-float": (_set("targets", lambda a, d: a["targets"].float()), TypeError, "targets",
+                      "must be int32 or int64; got torch.float32"),
+    "targets-uint8": (_set("targets", lambda a, d: a["targets"].clamp(0).to(torch.uint8)), TypeError, "targets",
+                      "got torch.uint8"),
+    "targets-1d": (_set("targets", lambda a, d: a["targets"][0]), ValueError, "targets", "must be 2-D (B, U)"),
+    "targets-3d": (_set("targets", lambda a, d: a["targets"][None]), ValueError, "targets", "must be 2-D"),
+    "targets-wrong-batch": (_set("targets", lambda a, d: a["targets"][:1]), ValueError, "targets",
+                            "must have shape (B=2, U) to match cu_seqlens"),
+    "cu_seqlens-one-utterance-more": (_set("cu_seqlens", _tensor([0, 4, 7, 7])), ValueError, "targets",
+                                      "must have shape (B=3, U)"),
+    "targets-negative-id": (_set("targets", _first_target(-1)), ValueError, "targets",
+                            "must lie in [0, C=5) within each target length; got 1 id(s)"),
+    "targets-id-too-large": (_set("targets", _first_target(5)), ValueError, "targets", "must lie in [0, C=5)"),
+    # unchecked before: 2**32 + 1 is 1 in int32
+    "targets-int64-wraps-to-a-class": (_set("targets", _first_target(2 ** 32 + 1)), ValueError, "targets",
+                                       "must lie in [0, C=5)"),
+    "targets-other-device": (_set("targets", lambda a, d: a["targets"].to(_other_device(d))), ValueError, "targets",
+                             "must be on log_probs's device"),
+    # target_lengths
+    "target_lengths-list": (_set("target_lengths", lambda a, d: [2, 1]), TypeError, "target_lengths",
+                            "must be a torch.Tensor"),
+    "target_lengths-float": (_set("target_lengths", lambda a, d: a["target_lengths"].float()), TypeError,
+                             "target_lengths", "must be int32 or int64; got torch.float32"),
+    "target_lengths-bool": (_set("target_lengths", lambda a, d: a["target_lengths"] > 0), TypeError,
+                            "target_lengths", "got torch.bool"),
+    "target_lengths-2d": (_set("target_lengths", lambda a, d: a["target_lengths"][None]), ValueError,
+                          "target_lengths", "must be 1-D (B,)"),
+    "target_lengths-wrong-batch": (_set("target_lengths", lambda a, d: a["target_lengths"][:1]), ValueError,
+                                   "target_lengths", "must have shape (B=2,) to match cu_seqlens"),
+    # unchecked before: the kernels clamp lengths to [0, U]
+    "target_lengths-negative": (_set("target_lengths", _tensor([2, -1])), ValueError, "target_lengths",
+                                "must be >= 0; got a length of -1"),
+    "target_lengths-too-long": (_set("target_lengths", _tensor([4, 1])), ValueError, "target_lengths",
+                                "must be <= U = targets.shape[1] = 3; got a length of 4"),
+    "target_lengths-int64-wraps-to-1": (_set("target_lengths", _tensor([2, 2 ** 32 + 1])), ValueError,
+                                        "target_lengths", "must be <= U"),
+    "target_lengths-other-device": (_set("target_lengths", lambda a, d: a["target_lengths"].to(_other_device(d))),
+                                    ValueError, "target_lengths", "must be on log_probs's device"),
+    # the options
+    "blank-negative": (lambda a, d: dict(a, blank=-1), ValueError, "blank", "must lie in [0, C=5); got -1"),
+    "blank-too-large": (lambda a, d: dict(a, blank=5), ValueError, "blank", "must lie in [0, C=5); got 5"),
+    "blank-float": (lambda a, d: dict(a, blank=0.0), TypeError, "blank", "must be an int; got float"),
+    "blank-bool": (lambda a, d: dict(a, blank=True), TypeError, "blank", "must be an int; got bool"),
+    "blank-tensor": (lambda a, d: dict(a, blank=torch.tensor(0)), TypeError, "blank", "got Tensor"),
+    "reduction-unknown": (lambda a, d: dict(a, reduction="average"), ValueError, "reduction",
+                          "must be one of ('none', 'sum', 'mean'); got 'average'"),
+    "reduction-capitalised": (lambda a, d: dict(a, reduction="Mean"), ValueError, "reduction", "got 'Mean'"),
+    "reduction-none-object": (lambda a, d: dict(a, reduction=None), ValueError, "reduction", "got None"),
+    "zero_infinity-none": (lambda a, d: dict(a, zero_infinity=None), TypeError, "zero_infinity",
+                           "must be a bool; got NoneType"),
+    "zero_infinity-int": (lambda a, d: dict(a, zero_infinity=1), TypeError, "zero_infinity", "got int"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_INPUTS), ids=list(BAD_INPUTS))
+def test_bad_input(device, case):
+    change, error, argument, words = BAD_INPUTS[case]
+    with pytest.raises(error, match=re.escape(words)) as raised:
+        pk.packed_ctc_loss(**change(good_arguments(device), device))
+    assert str(raised.value).startswith(f"{argument} "), str(raised.value)
+
+
+def test_the_table_covers_every_argument():
+    named = {row[2] for row in BAD_INPUTS.values()}
+    assert named == {"log_probs", "cu_seqlens", "targets", "target_lengths", "blank", "reduction", "zero_infinity"}
+
+
+@pytest.mark.parametrize("reduction", ["none", "mean"])
+def test_good_arguments_give_the_reference_loss(device, reduction):
+    """The call every row spoils is itself good: its loss and gradient are the NumPy stage's
+    (the junk beyond each target length is never read)."""
+    arguments = good_arguments(device)
+    x = arguments["log_probs"].double().requires_grad_()
+    loss = pk.packed_ctc_loss(**dict(arguments, log_probs=x), reduction=reduction)
+    (grad,) = torch.autograd.grad(loss.sum(), x)
+    expected_loss, expected_grad = ctc_loss_numpy(
+        x.detach().cpu().numpy(), np.array([0, 4, 7]), np.array([[1, 2, 0], [4, 0, 0]]), np.array([2, 1]), 0,
+        reduction, False)
+    assert_close(f"{reduction} loss", loss, torch.from_numpy(np.asarray(expected_loss)), atol=1e-12, rtol=1e-12)
+    assert_close(f"{reduction} gradient", grad, torch.from_numpy(expected_grad), atol=1e-12, rtol=1e-10)
