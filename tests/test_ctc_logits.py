@@ -559,3 +559,41 @@ def test_docstring_example_runs(function):
     for test in doctest.DocTestFinder().find(function, function.__name__, globs={}):
         runner.run(test)
     assert runner.tries > 0 and runner.failures == 0
+
+
+# --------------------------------------------------------------------------------------
+# the benchmark's cases and memory plan (shapes only: no GPU needed)
+
+
+def test_head_memory_plan_follows_its_assumptions():
+    """The plan's peaks, recomputed here from its documented assumptions, at C = 65536 in bfloat16:
+    torch holds three float32 (T B, C) tensors in log_softmax's backward, packed_log_softmax three
+    bfloat16 (T_total, C) ones, the loss from logits two, and the linear loss none."""
+    from packed_kernels.bench.ctc import HEAD_PROVIDERS, HEAD_SEED, HEAD_SHAPE, head_memory_plan, utterance_lengths
+
+    B, T, D, ratio = HEAD_SHAPE
+    lengths, target_lengths = utterance_lengths(B, T, ratio, HEAD_SEED)
+    T_total, T_max, U, C = int(lengths.sum()), int(lengths.max()), int(target_lengths.max()), 65536
+    state = 2 * T_total * (2 * U + 1) * 4
+    plans = head_memory_plan(C, torch.bfloat16)
+    assert set(plans) == set(HEAD_PROVIDERS)
+    assert plans["torch"].bytes == 3 * T_max * B * C * 4
+    assert plans["packed_log_softmax"].bytes == 3 * T_total * C * 2
+    assert plans["packed_from_logits"].bytes == 2 * T_total * C * 2 + T_total * 4 + state
+    chunk = linear_chunk_frames(C)
+    linear = chunk * C * 2 + T_total * 4 + state + C * D * 4 + C * 4 + T_total * D * 2 + C * D * 2 + C * 2
+    assert plans["linear_packed"].bytes == linear
+    for C in (8192, 32768, 65536):
+        for dtype in (torch.bfloat16, torch.float32):
+            peaks = [head_memory_plan(C, dtype)[name].bytes for name in HEAD_PROVIDERS]
+            assert peaks == sorted(peaks, reverse=True), (C, dtype, peaks)
+
+
+def test_bench_cases_describe_the_head_workload():
+    from packed_kernels.bench.ctc import HEAD_DTYPES, HEAD_PROVIDERS, HEAD_VOCABULARIES, cases
+
+    head = [case for case in cases() if case.workload == "head fwd+bwd"]
+    assert sorted((case.params["C"], case.params["dtype"]) for case in head) == sorted(
+        (C, dtype) for C in HEAD_VOCABULARIES for dtype in HEAD_DTYPES)
+    assert all(tuple(case.providers) == HEAD_PROVIDERS for case in head)
+    assert all(case.notes[f"plan_bytes_{name}"] > 0 for case in head for name in HEAD_PROVIDERS)

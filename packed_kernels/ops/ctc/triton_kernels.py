@@ -15,6 +15,14 @@ Two steps, one after the other:
    to exactly one utterance, so each program writes its own gradient rows once, with no
    atomics.
 
+From logits (:func:`ctc_logits_forward_triton`, :func:`ctc_logits_backward_triton`) and
+from a linear layer's input (:func:`ctc_linear_forward_triton`,
+:func:`ctc_linear_backward_triton`, chunks of frames at a time), the same two steps run
+over gathered columns: :func:`ctc_logits_normaliser_kernel` reduces each row of logits
+to its log-sum-exp and its ``U + 1`` label log-probabilities, the recursion runs over
+those columns, and :func:`ctc_logits_gradient_kernel` writes ``g (softmax - occupancy)``
+for the logits in one pass over the rows.
+
 Log-probabilities are read in their own dtype and every sum is done in float32
 (float64 for float64 inputs). The launchers take their launch choices as a
 :class:`CTCForwardConfig` and a :class:`CTCGradientConfig`, chosen by
