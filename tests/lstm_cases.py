@@ -1,5 +1,7 @@
 """Shared inputs and references of the LSTM tests: modules, ``nn.LSTM`` on a
-``PackedSequence`` as the packed reference, and configurations by name."""
+``PackedSequence`` as the packed reference, configurations by name, and a count of the
+wrapped module's calls."""
+import contextlib
 import enum
 
 import torch
@@ -11,6 +13,22 @@ from packed_kernels.ops.lstm.triton_kernels import RecurrenceConfig, RecurrentPr
 from assertions import assert_close
 
 ATOL = RTOL = 1e-5
+
+
+@contextlib.contextmanager
+def counting_module_calls(lstm):
+    """Counts the calls of the wrapped ``nn.LSTM`` (a forward hook) in ``calls[0]``."""
+    calls = [0]
+
+    def hook(module, args, output):
+        calls[0] += 1
+
+    handle = lstm.register_forward_hook(hook)
+    try:
+        yield calls
+    finally:
+        handle.remove()
+
 
 ROW_SUMS, TENSOR_CORES = RecurrentProduct.ROW_SUMS, RecurrentProduct.TENSOR_CORES
 FOUR_GATES = RecurrentProduct.FOUR_GATES

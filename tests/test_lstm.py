@@ -14,7 +14,7 @@ from packed_kernels.ops.lstm.padded_torch import lstm_padded, lstm_weights
 from packed_kernels.ops.lstm.triton_kernels import RecurrenceConfig, RecurrentProduct, StepWait, choose_config
 
 from assertions import assert_close
-from lstm_cases import ATOL, RTOL, assert_outputs_close, lengths_id, make_lstm, packed_reference
+from lstm_cases import ATOL, RTOL, assert_outputs_close, counting_module_calls, lengths_id, make_lstm, packed_reference
 
 # ----------------------------------------------------------------------------------------
 # Padded input
@@ -118,7 +118,10 @@ def test_persistent_packed_zero_length_and_empty(device):
     empty = pack(torch.zeros(0, 0, 3, device=device), torch.zeros(0, dtype=torch.int64))
     with torch.no_grad():
         out, (h, c) = model(empty)
-    assert out.data.shape == (0, 16) and h.shape == (4, 0, 8) and c.shape == (4, 0, 8)
+    # an empty batch: nothing to compute, every tensor empty of its exact shape and dtype
+    for name, t, shape in (("y", out.data, (0, 16)), ("h_n", h, (4, 0, 8)), ("c_n", c, (4, 0, 8))):
+        assert (t.shape, t.dtype, t.device.type) == (shape, torch.float32, device), name
+    assert out.cu_seqlens.tolist() == [0] and out.lengths.numel() == 0
 
 
 # ----------------------------------------------------------------------------------------
@@ -238,11 +241,14 @@ def test_meta_tensors_give_the_real_shapes(case, grad):
     expected = _expected_shapes(PersistentLSTM.from_torch(lstm), x, hx, kwargs)
     model = PersistentLSTM.from_torch(lstm.to("meta"))
     meta = (lambda t: t.to("meta"))
-    with torch.set_grad_enabled(grad):
+    with torch.set_grad_enabled(grad), counting_module_calls(lstm) as calls:
         y, (h, c) = model(meta(x), None if hx is None else tuple(map(meta, hx)),
                           **{k: meta(v) for k, v in kwargs.items()})
     assert _shapes((y, (h, c))) == expected
     assert y.is_meta and h.is_meta and c.is_meta
+    # meta tensors are traced: the custom op's fake; nn.LSTM where a gradient is needed, or
+    # with lengths the padded PyTorch stage (its lengths cannot become a PackedSequence)
+    assert calls[0] == (1 if grad and not kwargs else 0), calls
 
 
 @pytest.mark.filterwarnings("ignore:PersistentLSTM")
@@ -273,8 +279,11 @@ def test_packed_meta_and_fake_give_the_real_shapes(device, lengths):
     with torch.no_grad():
         with FakeTensorMode(allow_non_fake_inputs=True) as mode:
             fake = model(Packed(*(mode.from_tensor(t) for t in packed)))
-        meta = PersistentLSTM.from_torch(make_lstm(3, 7, 2, True, device="meta"))(packed.to("meta"))
+        meta_lstm = make_lstm(3, 7, 2, True, device="meta")
+        with counting_module_calls(meta_lstm) as calls:
+            meta = PersistentLSTM.from_torch(meta_lstm)(packed.to("meta"))
     assert _shapes(fake) == expected and _shapes(meta) == expected
+    assert calls[0] == 0, "the custom op's fake, not nn.LSTM"
 
 
 # ----------------------------------------------------------------------------------------

@@ -1,6 +1,5 @@
 """Where PersistentLSTM runs the wrapped nn.LSTM (autograd, autocast, tensors off the
 kernel device), PackedSequence in and out, and weights that change between calls."""
-import contextlib
 import warnings
 
 import pytest
@@ -10,22 +9,7 @@ from torch.nn.utils.rnn import PackedSequence, pack_padded_sequence, pack_sequen
 from packed_kernels import Packed, PersistentLSTM, pack, runtime
 from packed_kernels.ops.lstm.padded_torch import lstm_padded, lstm_weights
 
-from lstm_cases import assert_outputs_close, lengths_id, make_lstm, packed_reference
-
-
-@contextlib.contextmanager
-def counting_module_calls(lstm):
-    """Counts the calls of the wrapped ``nn.LSTM`` (a forward hook) in ``calls[0]``."""
-    calls = [0]
-
-    def hook(module, args, output):
-        calls[0] += 1
-
-    handle = lstm.register_forward_hook(hook)
-    try:
-        yield calls
-    finally:
-        handle.remove()
+from lstm_cases import assert_outputs_close, counting_module_calls, lengths_id, make_lstm, packed_reference
 
 
 def assert_equal_outputs(actual, expected):
@@ -101,7 +85,9 @@ def test_any_tensor_that_requires_grad_takes_nn_lstm_and_warns_once(device, need
             with torch.no_grad():
                 model(x, hx)  # the kernels, silently
     assert calls[0] == 2
-    assert first[0].grad_fn is not None and torch.equal(first[0], second[0])
+    assert_equal_outputs(first, lstm(x, hx))
+    assert_equal_outputs(second, first)
+    assert first[0].requires_grad and second[0].requires_grad, "nn.LSTM's graph, for the backward"
 
 
 def _packed_leaves(lengths, features, seed, device):
@@ -216,6 +202,38 @@ def test_training_with_dropout_runs_nn_lstm_with_its_dropout(device):
     assert_equal_outputs(out, lstm(x))
     with torch.no_grad(), pytest.raises(ValueError, match=r"dropout=0.5 .* call \.eval\(\)"):
         model(x)  # the kernels have no dropout
+
+
+def test_the_wrapped_module_s_own_mode_decides(device):
+    """Dropout acts by the nn.LSTM's own mode, which can be set on it alone: set to eval
+    there, the kernels compute nn.LSTM's eval output; set back to training (the wrapper
+    in eval mode), they refuse."""
+    lstm = make_lstm(3, 6, 2, True, dropout=0.5, device=device).train()
+    model = PersistentLSTM.from_torch(lstm)
+    x = torch.randn(2, 4, 3, device=device)
+    lstm.eval()
+    with torch.no_grad(), counting_module_calls(lstm) as calls:
+        out = model(x)
+        assert calls[0] == 0, "the kernels run it"
+        assert_outputs_close(out, lstm(x))
+    model.eval()
+    lstm.train()
+    with torch.no_grad(), pytest.raises(ValueError, match=r"dropout=0.5 between layers.*call \.eval\(\)"):
+        model(x)
+
+
+def test_one_layer_with_dropout_in_training_mode_runs_the_kernels(device):
+    """nn.LSTM applies dropout between layers only: a one-layer module with dropout, in
+    training mode, computes as in eval mode, so the kernels take it."""
+    with pytest.warns(UserWarning, match="dropout"):
+        lstm = torch.nn.LSTM(3, 6, dropout=0.5, batch_first=True, bidirectional=True).to(device).train()
+    model = PersistentLSTM.from_torch(lstm)
+    x = torch.randn(2, 4, 3, device=device)
+    with torch.no_grad(), counting_module_calls(lstm) as calls:
+        out = model(x)
+    assert calls[0] == 0, "the kernels run it"
+    with torch.no_grad():
+        assert_outputs_close(out, lstm(x))
 
 
 # ----------------------------------------------------------------------------------------

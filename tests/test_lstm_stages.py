@@ -266,3 +266,49 @@ def test_choose_config_prefetches_into_l2_when_inputs_spill(described_gpu, batch
 def test_choose_config_refuses_hidden_beyond_the_chip(described_gpu):
     with pytest.raises(ValueError, match="hidden_size=1024 is too large"):
         choose_config(1, 1024, 1, described_gpu(132, 50 << 20), frames=10)
+
+
+def _expected(k, rows, product, wait, warps, prefetch, tiles=1, l2=0):
+    return RecurrenceConfig(programs_per_tile=k, rows_per_tile=rows, product=product, wait=wait, num_warps=warps,
+                            prefetch_steps=prefetch, l2_prefetch_steps=l2, fast_math=product != TENSOR_CORES,
+                            tiles_per_program=tiles)
+
+
+#: (SMs, L2 bytes, batch, hidden, directions, frames, the configuration), worked out by hand
+#: from the rules of choose_config's docstring.
+EXACT_CHOICES = [
+    # one row: 16-unit slices (the least work a thread), one word a thread -> PTX poll, 2 steps ahead
+    (132, 50 << 20, 1, 128, 2, 589, _expected(8, 1, FOUR_GATES, TAGGED_WORDS_PTX, 4, 2)),
+    # 32 rows: 64-unit slices fit them in one launch with one row a program
+    (132, 50 << 20, 32, 128, 2, 40 * 32, _expected(2, 1, FOUR_GATES, TAGGED_WORDS_PTX, 8, 2)),
+    # ... whose projected inputs outgrow half the L2: prefetched 8 steps ahead
+    (132, 50 << 20, 32, 128, 2, 589 * 32, _expected(2, 1, FOUR_GATES, TAGGED_WORDS_PTX, 8, 2, l2=8)),
+    # two or three launches' worth: one launch of programs running 2 or 3 tiles
+    (132, 50 << 20, 128, 128, 2, 40 * 128, _expected(2, 2, FOUR_GATES, TAGGED_WORDS_PTX, 8, 1, tiles=2)),
+    (132, 50 << 20, 160, 128, 2, 30 * 160, _expected(2, 2, FOUR_GATES, TAGGED_WORDS_PTX, 8, 1, tiles=3)),
+    # four launches' worth: 16-row tensor-core programs over 32-unit slices
+    (132, 50 << 20, 256, 128, 2, 40 * 256, _expected(4, 16, TENSOR_CORES, STEP_COUNTER, 4, 1)),
+    # hidden 256: the smaller weight slice; a thread holds several words -> Triton's poll loop
+    (132, 50 << 20, 1, 256, 2, 100, _expected(16, 1, FOUR_GATES, TAGGED_WORDS, 8, 2)),
+    # hidden 16: one program a tile, no waits, 8 rows a tile
+    (132, 50 << 20, 7, 16, 1, 70, _expected(1, 8, FOUR_GATES, CTA_BARRIER, 4, 1)),
+    # hidden 512: 32 programs a direction, on 40 SMs and on exactly 2 x 32
+    (40, 4 << 20, 1, 512, 1, 10, _expected(32, 1, FOUR_GATES, TAGGED_WORDS, 8, 2)),
+    (64, 8 << 20, 1, 512, 2, 10, _expected(32, 1, FOUR_GATES, TAGGED_WORDS, 8, 2)),
+]
+
+
+@pytest.mark.parametrize("sms,l2,batch,hidden,directions,frames,expected", EXACT_CHOICES,
+                         ids=[f"SM{c[0]}-B{c[2]}-H{c[3]}-D{c[4]}-F{c[5]}" for c in EXACT_CHOICES])
+def test_choose_config_exact_choices(described_gpu, sms, l2, batch, hidden, directions, frames, expected):
+    assert choose_config(batch, hidden, directions, described_gpu(sms, l2), frames=frames) == expected
+
+
+@pytest.mark.skipif(not runtime.INTERPRETED, reason="a refusal of the interpreter's")
+def test_interpreter_refuses_cooperating_programs(device):
+    """Programs that wait for each other would wait forever where programs run one after
+    another: refused before any launch."""
+    lstm = make_lstm(3, 16, 1, True, device=device)
+    config = RecurrenceConfig(programs_per_tile=2, rows_per_tile=1, product=FOUR_GATES, wait=TAGGED_WORDS)
+    with torch.no_grad(), pytest.raises(ValueError, match="interpreter runs programs one at a time: programs_per_tile"):
+        PersistentLSTM.from_torch(lstm, config)(torch.randn(2, 3, 3, device=device))

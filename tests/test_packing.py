@@ -1,3 +1,5 @@
+import re
+
 import pytest
 import torch
 
@@ -56,35 +58,157 @@ def test_empty_batch_and_all_empty_sequences():
     assert unpack(packed).shape == (3, 0, 2)
 
 
-def test_pack_bad_input():
-    x = torch.zeros(2, 5)
-    with pytest.raises(ValueError, match="lengths"):
-        pack(x, [1, 2, 3])
-    with pytest.raises(ValueError, match=r"lengths must lie in \[0, T=5\]"):
-        pack(x, [6, 1])
-    with pytest.raises(ValueError, match="lengths"):
-        pack(x, [-1, 1])
-    with pytest.raises(TypeError, match="lengths"):
-        pack(x, torch.tensor([1.0, 2.0]))
-    with pytest.raises(ValueError, match="padded"):
-        pack(torch.zeros(5), [5])
-    with pytest.raises(TypeError, match="packed"):
-        unpack(x)
+# --- bad input: one table per public function ----------------------------------------
+#
+# Each row: an id, the call, the exception, the argument its message must name, and a
+# pattern for what the message says was expected.
 
 
-# --- value checks of the packing helpers -------------------------------------------------
+def _refused(call, error, argument, expected):
+    with pytest.raises(error) as info:
+        call()
+    message = str(info.value)
+    assert argument in message, f"the message does not name {argument!r}: {message}"
+    assert re.search(expected, message), f"the message does not say {expected!r}: {message}"
 
-@pytest.mark.parametrize("lengths, error, match", [
-    ([3.5, 2], TypeError, r"lengths\[0\]"),
-    ("abc", TypeError, "lengths must be a 1-D integer tensor or a list of ints"),
-    ([3, -1], ValueError, "lengths must be >= 0"),
-    (torch.tensor([1.0, 2.0]), TypeError, "lengths must be an integer tensor"),
-    (torch.tensor([[1, 2]]), ValueError, "lengths must be 1-D"),
-    (torch.tensor([True, False]), TypeError, "lengths must be an integer tensor"),
-], ids=["float-in-list", "string", "negative", "float-tensor", "2-D", "bool-tensor"])
-def test_cu_seqlens_from_lengths_bad_input(lengths, error, match):
-    with pytest.raises(error, match=match):
-        cu_seqlens_from_lengths(lengths)
+
+def _table(rows):
+    return pytest.mark.parametrize("call,error,argument,expected", [row[1:] for row in rows],
+                                   ids=[row[0] for row in rows])
+
+
+_X = torch.zeros(2, 5)
+
+PACK_BAD = [
+    ("padded-list", lambda: pack([[0.0] * 5] * 2, [1, 2]), TypeError, "padded", "must be a torch.Tensor"),
+    ("padded-1d", lambda: pack(torch.zeros(5), [5]), ValueError, "padded", r"shape \(B, T, \.\.\.\); got shape \(5,\)"),
+    ("lengths-count", lambda: pack(_X, [1, 2, 3]), ValueError, "lengths", "must have B=2 entries"),
+    ("lengths-too-few", lambda: pack(_X, [1]), ValueError, "lengths", "must have B=2 entries"),
+    ("lengths-above-T", lambda: pack(_X, [6, 1]), ValueError, "lengths", r"lie in \[0, T=5\]"),
+    ("lengths-negative", lambda: pack(_X, [-1, 1]), ValueError, "lengths", ">= 0; got a length of -1"),
+    ("lengths-negative-tensor", lambda: pack(_X, torch.tensor([2, -3])), ValueError, "lengths", ">= 0"),
+    ("lengths-float-tensor", lambda: pack(_X, torch.tensor([1.0, 2.0])), TypeError, "lengths", "integer tensor"),
+    ("lengths-bool-tensor", lambda: pack(_X, torch.tensor([True, True])), TypeError, "lengths", "integer tensor"),
+    ("lengths-float-entry", lambda: pack(_X, [2, 2.0]), TypeError, "lengths[1]", "must be an int; got float"),
+    ("lengths-bool-entry", lambda: pack(_X, [True, 1]), TypeError, "lengths[0]", "must be an int; got bool"),
+    ("lengths-2d", lambda: pack(_X, torch.tensor([[1, 2]])), ValueError, "lengths", "must be 1-D"),
+    ("lengths-0d", lambda: pack(_X, torch.tensor(2)), ValueError, "lengths", "must be 1-D"),
+    ("lengths-string", lambda: pack(_X, "12"), TypeError, "lengths", "1-D integer tensor or a list of ints"),
+]
+
+
+@_table(PACK_BAD)
+def test_pack_bad_input(call, error, argument, expected):
+    _refused(call, error, argument, expected)
+
+
+def _good():
+    return pack(torch.arange(10.0).reshape(2, 5), [2, 3])
+
+
+def _with(**fields):
+    return lambda: _good()._replace(**{name: make(_good()) for name, make in fields.items()})
+
+
+UNPACK_BAD = [
+    ("packed-tensor", lambda: unpack(_X), TypeError, "packed", "must be a Packed; got Tensor"),
+    ("packed-tuple", lambda: unpack(tuple(_good())), TypeError, "packed", "must be a Packed; got tuple"),
+    ("cu_seqlens-values", lambda: unpack(_with(cu_seqlens=lambda p: torch.tensor([0, 1, 5], dtype=torch.int32))()),
+     ValueError, "packed.cu_seqlens", r"\[0, cumsum\(packed.lengths\)\]"),
+    ("cu_seqlens-short", lambda: unpack(_with(cu_seqlens=lambda p: p.cu_seqlens[:-1])()), ValueError,
+     "packed.cu_seqlens", "disagree"),
+    ("cu_seqlens-float", lambda: unpack(_with(cu_seqlens=lambda p: p.cu_seqlens.float())()), TypeError,
+     "packed.cu_seqlens", "int32 or int64"),
+    ("cu_seqlens-2d", lambda: unpack(_with(cu_seqlens=lambda p: p.cu_seqlens[None])()), ValueError,
+     "packed.cu_seqlens", "1-D"),
+    ("lengths-float", lambda: unpack(_with(lengths=lambda p: p.lengths.float())()), TypeError, "packed.lengths",
+     "integer tensor"),
+    ("lengths-negative", lambda: unpack(Packed(torch.zeros(1), torch.tensor([0, 3, 1]), torch.tensor([3, -2]))),
+     ValueError, "packed.lengths", ">= 0"),
+    ("data-few-rows", lambda: unpack(_with(data=lambda p: p.data[:4])()), ValueError, "packed.data",
+     "sum\\(packed.lengths\\) = 5 rows; got 4"),
+    ("data-many-rows", lambda: unpack(_with(data=lambda p: torch.zeros(6))()), ValueError, "packed.data",
+     "= 5 rows; got 6"),
+    ("total_length-short", lambda: unpack(_good(), total_length=2), ValueError, "total_length",
+     r">= the longest sequence \(3\); got 2"),
+    ("total_length-float", lambda: unpack(_good(), total_length=4.0), TypeError, "total_length", "None or an int"),
+    ("total_length-bool", lambda: unpack(_good(), total_length=True), TypeError, "total_length", "None or an int"),
+    ("total_length-tensor", lambda: unpack(_good(), total_length=torch.tensor(4)), TypeError, "total_length",
+     "None or an int"),
+]
+
+
+@_table(UNPACK_BAD)
+def test_unpack_bad_input(call, error, argument, expected):
+    _refused(call, error, argument, expected)
+
+
+PACKED_METHODS_BAD = [
+    ("to_packed_sequence-empty", lambda: pack(torch.zeros(2, 3), [3, 0]).to_packed_sequence(), ValueError,
+     "packed.lengths", "cannot hold empty sequences; got a length of 0"),
+    ("from_packed_sequence-tensor", lambda: Packed.from_packed_sequence(torch.zeros(3, 2)), TypeError, "sequence",
+     "must be a torch.nn.utils.rnn.PackedSequence; got Tensor"),
+    ("from_packed_sequence-packed", lambda: Packed.from_packed_sequence(_good()), TypeError, "sequence",
+     "PackedSequence; got Packed"),
+    ("from_nested-tensor", lambda: Packed.from_nested(torch.zeros(2, 3)), ValueError, "nested",
+     "layout torch.jagged; got layout torch.strided \\(not nested\\)"),
+    ("from_nested-strided",
+     lambda: Packed.from_nested(torch.nested.nested_tensor([torch.ones(2, 3), torch.ones(1, 3)])), ValueError, "nested", "layout torch.jagged; got layout torch.strided$"),
+    ("from_nested-list", lambda: Packed.from_nested([torch.ones(2)]), TypeError, "nested", "must be a torch.Tensor"),
+]
+
+
+@pytest.mark.filterwarnings("ignore:The PyTorch API of nested tensors is in prototype stage")
+@_table(PACKED_METHODS_BAD)
+def test_packed_methods_bad_input(call, error, argument, expected):
+    _refused(call, error, argument, expected)
+
+
+CU_SEQLENS_FROM_LENGTHS_BAD = [
+    ("float-in-list", lambda: cu_seqlens_from_lengths([3.5, 2]), TypeError, "lengths[0]", "must be an int"),
+    ("string", lambda: cu_seqlens_from_lengths("abc"), TypeError, "lengths", "1-D integer tensor or a list of ints"),
+    ("none", lambda: cu_seqlens_from_lengths(None), TypeError, "lengths", "got NoneType"),
+    ("negative", lambda: cu_seqlens_from_lengths([3, -1]), ValueError, "lengths", ">= 0; got a length of -1"),
+    ("float-tensor", lambda: cu_seqlens_from_lengths(torch.tensor([1.0, 2.0])), TypeError, "lengths",
+     "integer tensor; got torch.float32"),
+    ("2-D", lambda: cu_seqlens_from_lengths(torch.tensor([[1, 2]])), ValueError, "lengths", "must be 1-D"),
+    ("bool-tensor", lambda: cu_seqlens_from_lengths(torch.tensor([True, False])), TypeError, "lengths",
+     "integer tensor; got torch.bool"),
+]
+
+
+@_table(CU_SEQLENS_FROM_LENGTHS_BAD)
+def test_cu_seqlens_from_lengths_bad_input(call, error, argument, expected):
+    _refused(call, error, argument, expected)
+
+
+SEGMENT_IDS_BAD = [
+    ("from_lengths-dtype-float", lambda: segment_ids_from_lengths([1, 2], dtype=torch.float32), TypeError, "dtype",
+     "torch.int32 or torch.int64; got torch.float32"),
+    ("from_lengths-dtype-int16", lambda: segment_ids_from_lengths([1, 2], dtype=torch.int16), TypeError, "dtype",
+     "got torch.int16"),
+    ("from_lengths-negative", lambda: segment_ids_from_lengths([1, -2]), ValueError, "lengths", ">= 0"),
+    ("from_lengths-float", lambda: segment_ids_from_lengths([1, 2.5]), TypeError, "lengths[1]", "must be an int"),
+    ("from_cu_seqlens-start", lambda: segment_ids_from_cu_seqlens(torch.tensor([1, 2])), ValueError, "cu_seqlens",
+     r"start at 0; got cu_seqlens\[0\] = 1"),
+    ("from_cu_seqlens-decreasing", lambda: segment_ids_from_cu_seqlens(torch.tensor([0, 3, 2])), ValueError,
+     "cu_seqlens", "non-decreasing"),
+    ("from_cu_seqlens-float", lambda: segment_ids_from_cu_seqlens(torch.tensor([0.0, 2.0])), TypeError,
+     "cu_seqlens", "int32 or int64"),
+    ("from_cu_seqlens-empty", lambda: segment_ids_from_cu_seqlens(torch.zeros(0, dtype=torch.int64)), ValueError,
+     "cu_seqlens", "B \\+ 1 >= 1 entries"),
+    ("from_cu_seqlens-2d", lambda: segment_ids_from_cu_seqlens(torch.tensor([[0, 2]])), ValueError, "cu_seqlens",
+     "1-D"),
+    ("from_cu_seqlens-list", lambda: segment_ids_from_cu_seqlens([0, 2]), TypeError, "cu_seqlens",
+     "must be a torch.Tensor"),
+    ("from_cu_seqlens-dtype", lambda: segment_ids_from_cu_seqlens(torch.tensor([0, 2]), dtype=torch.float64),
+     TypeError, "dtype", "torch.int32 or torch.int64"),
+]
+
+
+@_table(SEGMENT_IDS_BAD)
+def test_segment_ids_bad_input(call, error, argument, expected):
+    _refused(call, error, argument, expected)
 
 
 def test_cu_seqlens_from_lengths_list_and_tensor():
@@ -94,29 +218,15 @@ def test_cu_seqlens_from_lengths_list_and_tensor():
     assert cu_seqlens_from_lengths([]).tolist() == [0]
 
 
-def test_pack_refuses_float_lengths():
-    with pytest.raises(TypeError, match=r"lengths\[1\]"):
-        pack(torch.zeros(2, 5), [2, 2.0])
-
-
-def test_unpack_checks_its_offsets_and_rows():
-    packed = pack(torch.arange(10.0).reshape(2, 5), [2, 3])
-    with pytest.raises(ValueError, match="cu_seqlens"):
-        unpack(Packed(packed.data, torch.tensor([0, 1, 5], dtype=torch.int32), packed.lengths))
-    with pytest.raises(ValueError, match="cu_seqlens"):
-        unpack(Packed(packed.data, torch.tensor([0, 2], dtype=torch.int32), packed.lengths))
-    with pytest.raises(ValueError, match="rows"):
-        unpack(Packed(packed.data[:4], packed.cu_seqlens, packed.lengths))
-    with pytest.raises(TypeError, match="packed.cu_seqlens"):
-        unpack(Packed(packed.data, packed.cu_seqlens.float(), packed.lengths))
-
-
 def test_packed_to_keeps_index_dtypes():
     packed = pack(torch.randn(2, 4, 3), [4, 1])
     moved = packed.to(torch.float64)
     assert moved.data.dtype == torch.float64
     assert moved.cu_seqlens.dtype == torch.int32 and moved.lengths.dtype == torch.int64
     assert torch.equal(moved.cu_seqlens, packed.cu_seqlens) and torch.equal(moved.lengths, packed.lengths)
+    meta = packed.to("meta")  # a device move takes the index tensors along, dtypes kept
+    assert [(t.device.type, t.dtype) for t in meta] == [("meta", torch.float32), ("meta", torch.int32),
+                                                         ("meta", torch.int64)]
 
 
 # --- segment ids -----------------------------------------------------------------------
@@ -129,17 +239,6 @@ def test_segment_ids(lengths, dtype):
     assert ids.dtype == dtype and ids.tolist() == expected.tolist()
     from_offsets = segment_ids_from_cu_seqlens(cu_seqlens_from_lengths(lengths), dtype=dtype)
     assert from_offsets.dtype == dtype and from_offsets.tolist() == expected.tolist()
-
-
-def test_segment_ids_bad_input():
-    with pytest.raises(ValueError, match="cu_seqlens must start at 0"):
-        segment_ids_from_cu_seqlens(torch.tensor([1, 2]))
-    with pytest.raises(ValueError, match="non-decreasing"):
-        segment_ids_from_cu_seqlens(torch.tensor([0, 3, 2]))
-    with pytest.raises(TypeError, match="cu_seqlens must be int32 or int64"):
-        segment_ids_from_cu_seqlens(torch.tensor([0.0, 2.0]))
-    with pytest.raises(TypeError, match="dtype"):
-        segment_ids_from_lengths([1, 2], dtype=torch.float32)
 
 
 # --- PackedSequence and nested tensors ----------------------------------------------------
@@ -193,6 +292,32 @@ def test_nested_round_trip():
     assert Packed.from_nested(built).lengths.tolist() == [3, 1]
     with pytest.raises(ValueError, match="jagged"):
         Packed.from_nested(padded)
+
+
+def test_to_packed_sequence_ranks_tied_lengths_in_batch_order():
+    """Sequences by decreasing length, ties in batch order (a stable sort), as the rows
+    of time step after time step; the inverse permutation in unsorted_indices."""
+    lengths = [3, 1, 2, 3, 1, 2, 3, 1, 2, 3] * 4  # forty sequences, three lengths: many ties
+    padded = 100.0 * torch.arange(40.0)[:, None] + torch.arange(3.0)[None, :]  # entry [b, t] = 100 b + t
+    sequence = pack(padded, lengths).to_packed_sequence()
+    order = sorted(range(40), key=lambda b: -lengths[b])  # Python's sort is stable
+    assert sequence.sorted_indices.tolist() == order
+    assert sequence.unsorted_indices.tolist() == [order.index(b) for b in range(40)]  # the rank of each
+    assert sequence.batch_sizes.tolist() == [40, 28, 16]
+    assert sequence.data.tolist() == [100.0 * b + t for t in range(3) for b in order if lengths[b] > t]
+    back = Packed.from_packed_sequence(sequence)
+    assert torch.equal(back.data, pack(padded, lengths).data) and back.lengths.tolist() == lengths
+
+
+def test_from_nested_takes_the_rows_its_offsets_cover():
+    """A jagged tensor whose offsets start inside a larger values buffer: the Packed batch
+    holds only the rows between its first and last offset."""
+    values = torch.arange(20.0).view(10, 2)
+    nested = torch.nested.nested_tensor_from_jagged(values, torch.tensor([2, 5, 7]))
+    packed = Packed.from_nested(nested)
+    assert torch.equal(packed.data, values[2:7])
+    assert packed.cu_seqlens.tolist() == [0, 3, 5] and packed.cu_seqlens.dtype == torch.int32
+    assert packed.lengths.tolist() == [3, 2]
 
 
 def test_packed_sequence_with_tied_lengths_follows_its_sorted_indices():

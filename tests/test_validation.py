@@ -1,11 +1,18 @@
-"""Integer arguments (iters, cg_iters, num_segments, blank): Python and NumPy integers
-are accepted and give the same result; bools, floats and tensors are refused."""
+"""The shared argument checks: each refuses with the exception and the argument name its
+contract gives, and lets good values through. Integer arguments (iters, cg_iters,
+num_segments, blank): Python and NumPy integers are accepted and give the same result;
+bools, floats and tensors are refused."""
+import re
+
 import numpy as np
 import pytest
 import torch
 
 import packed_kernels as pk
-from packed_kernels.validation import integer_argument
+from packed_kernels.validation import (
+    check_bool, check_choice, check_float_tensor, check_index_tensor, check_rank, check_same_device, check_tensor,
+    integer_argument,
+)
 
 
 def test_integer_argument():
@@ -29,7 +36,7 @@ def test_numpy_integers_in_the_public_functions(device):
     idx = torch.tensor([0, 0, 1, 3], dtype=torch.int32, device=device)
     x = torch.randn(4, 3, generator=g).to(device)
     assert torch.equal(pk.segmented_sum(x, idx, np.int64(5)), pk.segmented_sum(x, idx, 5))
-    assert pk.segmented_mean(x, idx, np.int16(4)).shape == (4, 3)
+    assert torch.equal(pk.segmented_mean(x, idx, np.int16(4)), pk.segmented_mean(x, idx, 4))
     with pytest.raises(TypeError, match="num_segments must be a Python int"):
         pk.segmented_sum(x, idx, torch.tensor(5))
 
@@ -43,3 +50,47 @@ def test_numpy_integers_in_the_public_functions(device):
     assert torch.equal(got, want)
     with pytest.raises(TypeError, match="blank must be an int"):
         pk.packed_ctc_loss(log_probs, cu, targets, target_lengths, blank=0.0)
+
+
+_F = torch.zeros(2, 3)
+
+#: (id, call, exception, the message as a pattern: the argument name first)
+CHECKS_BAD = [
+    ("bool-int", lambda: check_bool("flag", 1), TypeError, "flag must be a bool; got int"),
+    ("bool-none", lambda: check_bool("flag", None), TypeError, "flag must be a bool; got NoneType"),
+    ("choice", lambda: check_choice("mode", "max", ("sum", "mean")), ValueError,
+     "mode must be one of ('sum', 'mean'); got 'max'"),
+    ("choice-none", lambda: check_choice("mode", None, ("sum",)), ValueError, "mode must be one of"),
+    ("tensor-list", lambda: check_tensor("x", [1.0]), TypeError, "x must be a torch.Tensor; got list"),
+    ("rank", lambda: check_rank("x", _F, 3), ValueError, "x must be 3-D; got shape (2, 3)"),
+    ("rank-lower", lambda: check_rank("x", _F, (3, 4), "(B, T, C)"), ValueError,
+     "x must be 3-D or 4-D (B, T, C); got shape (2, 3)"),
+    ("rank-higher", lambda: check_rank("x", _F[None], 2), ValueError, "x must be 2-D; got shape (1, 2, 3)"),
+    ("float-int", lambda: check_float_tensor("x", _F.long()), TypeError,
+     "x must be float16, bfloat16, float32 or float64; got torch.int64"),
+    ("float-only-32", lambda: check_float_tensor("x", _F.double(), dtypes=(torch.float32,)), TypeError,
+     "x must be float32; got torch.float64"),
+    ("float-rank", lambda: check_float_tensor("x", _F, dims=1), ValueError, "x must be 1-D"),
+    ("index-float", lambda: check_index_tensor("idx", _F), TypeError, "idx must be int32 or int64; got torch.float32"),
+    ("index-int16", lambda: check_index_tensor("idx", _F.short()), TypeError, "idx must be int32 or int64"),
+    ("same-device-second", lambda: check_same_device(a=_F, b=_F.to("meta"), c=_F), ValueError,
+     "b must be on a's device (cpu); got meta"),
+    ("same-device-third", lambda: check_same_device(a=_F, b=_F, c=_F.to("meta")), ValueError,
+     "c must be on a's device (cpu); got meta"),
+    ("integer-float", lambda: integer_argument("k", 2.0, "a count"), TypeError, "k must be a count; got float"),
+]
+
+
+@pytest.mark.parametrize("call,error,message", [row[1:] for row in CHECKS_BAD], ids=[row[0] for row in CHECKS_BAD])
+def test_checks_refuse_naming_the_argument(call, error, message):
+    with pytest.raises(error, match=re.escape(message)):
+        call()
+
+
+def test_checks_let_good_values_through():
+    assert check_bool("flag", False) is False and check_choice("mode", "sum", ("sum", "mean")) == "sum"
+    assert check_tensor("x", _F) is _F and check_float_tensor("x", _F, dims=(1, 2)) is _F
+    ints = _F.int()
+    assert check_index_tensor("idx", ints, 2) is ints and check_index_tensor("idx", _F.long()).dtype == torch.int64
+    check_rank("x", _F, (2, 3))
+    check_same_device(a=_F, b=_F.long(), c=ints)  # dtypes may differ

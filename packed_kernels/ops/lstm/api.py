@@ -122,7 +122,8 @@ class PersistentLSTM(torch.nn.Module):
     Build it with :meth:`from_torch`. It holds the ``nn.LSTM`` it was built from
     (as ``self.lstm``) and reads its parameters afresh at each call: nothing is
     cached, so every later change of them is seen, in-place ones through ``.data``
-    (checkpoint loaders, EMA updates) included.
+    (checkpoint loaders, EMA updates) included. Training or eval mode is the wrapped
+    module's own (``self.lstm.training``), however it was set.
 
     Calling it is like calling the ``nn.LSTM``:
 
@@ -282,7 +283,7 @@ class PersistentLSTM(torch.nn.Module):
             if lengths is None:
                 return self._run_module(input, None if hx is None else tuple(hx))
             if traced:
-                if self.training and lstm.dropout > 0 and lstm.num_layers > 1:
+                if lstm.training and lstm.dropout > 0 and lstm.num_layers > 1:
                     raise ValueError("a traced call with lengths runs the padded PyTorch stage, which has no "
                                      f"dropout; the nn.LSTM has dropout={lstm.dropout}: call .eval() first")
                 y, state = lstm_padded(x, lstm_weights(lstm), lengths, *(state or (None, None)))
@@ -442,7 +443,7 @@ class PersistentLSTM(torch.nn.Module):
                            "torch.no_grad() or torch.inference_mode() to use the kernels")
             return True
         lstm = self.lstm
-        if self.training and lstm.dropout > 0 and lstm.num_layers > 1:
+        if lstm.training and lstm.dropout > 0 and lstm.num_layers > 1:
             raise ValueError(
                 f"PersistentLSTM runs inference: the nn.LSTM has dropout={lstm.dropout} between layers, "
                 "which only acts in training mode; call .eval() first"
@@ -459,7 +460,7 @@ class PersistentLSTM(torch.nn.Module):
         training mode, so a module in eval mode that needs a gradient on a GPU runs
         PyTorch's native LSTM instead (the same maths; dropout is off in eval mode)."""
         data = input.data if isinstance(input, PackedSequence) else input
-        if not self.training and data.is_cuda and torch.is_grad_enabled():
+        if not self.lstm.training and data.is_cuda and torch.is_grad_enabled():
             with torch.backends.cudnn.flags(enabled=False):
                 return self.lstm(input, hx)
         return self.lstm(input, hx)
