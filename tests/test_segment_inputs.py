@@ -1,6 +1,8 @@
 """Segment operations: the arguments they accept (int32 and int64 ``idx``, inputs of two
-dtypes) and, in one table, the ones they refuse, each with its exception and the
-argument its message names."""
+dtypes) and, in one table per operation, the ones they refuse, each with its exception
+and the argument its message names."""
+import re
+
 import pytest
 import torch
 
@@ -8,7 +10,7 @@ import packed_kernels as pk
 from packed_kernels.ops.segment import triton_kernels as tk
 
 from assertions import assert_close
-from segment_cases import LAUNCHERS, OPS, PADDED, PUBLIC, make_idx, make_inputs
+from segment_cases import LAUNCHERS, OPS, PADDED, PUBLIC, make_idx, make_inputs, numpy_forward
 
 
 # --- int32 and int64 idx -------------------------------------------------------------------
@@ -104,119 +106,194 @@ def test_promoted_result_is_close_to_float64(device):
                  PADDED["mul"](x.double(), y.double(), idx, 3), atol=1e-6, rtol=1e-6)
 
 
-# --- bad input: one table ----------------------------------------------------------------
+# --- bad input: one table per operation ---------------------------------------------------
+# Each row spoils one argument of a good call: the exception, the argument the message
+# starts with, and words it must contain. Rows marked *once wrong* are values that, unchecked,
+# gave a plausible result or reached a kernel out of bounds.
 
-def _arguments(device):
-    """Good arguments of every operation; a case spoils one of them."""
-    idx = make_idx([2, 3], device)
-    return dict(x=torch.randn(5, 3, device=device), idx=idx, idx64=idx.long(), y_seg=torch.randn(2, 3, device=device),
-                m=torch.randn(2, 3, 3, device=device), meta_idx=idx.to("meta"))
-
-
-def _huge(dtype=torch.float32, rows=2 ** 31):
-    """A meta tensor of ``rows`` rows: shapes only, no memory."""
-    return torch.empty(rows, dtype=dtype, device="meta")
+FUNCTIONS = {"sum": pk.segmented_sum, "mean": pk.segmented_mean, "dot": pk.segmented_dot, "mul": pk.segmented_mul,
+             "rms_norm": pk.segmented_rms_norm, "matvec": pk.segmented_matvec}
+SIGNATURES = {"sum": ("x", "idx", "num_segments"), "mean": ("x", "idx", "num_segments"),
+              "dot": ("x", "y", "idx", "num_segments"), "mul": ("x", "y", "idx", "num_segments"),
+              "rms_norm": ("x", "idx", "num_segments"), "matvec": ("v", "m", "idx", "num_segments")}
 
 
-def _vmap(fn, *batched):
-    return torch.func.vmap(fn)(*(t[None].expand(2, *t.shape) for t in batched))
+def good_arguments(op, device):
+    """A good call of ``op``, by keyword: 5 rows of 3 columns in 2 segments of 2 and 3 rows."""
+    g = torch.Generator().manual_seed(12)
+    rand = lambda *shape: torch.randn(shape, generator=g).to(device)  # noqa: E731
+    arguments = dict(idx=make_idx([2, 3], device), num_segments=2)
+    rows, second = SIGNATURES[op][0], SIGNATURES[op][1]
+    arguments[rows] = rand(5, 3)
+    if second == "y":
+        arguments["y"] = rand(5, 3) if op == "dot" else rand(2, 3)
+    elif second == "m":
+        arguments["m"] = rand(2, 3, 4)
+    return arguments
 
 
-BAD = [
-    # idx: type, dtype, rank, length
-    ("sum-idx-list", lambda a: pk.segmented_sum(a["x"], [0, 0, 1, 1, 1], 2), TypeError,
-     "idx must be a torch.Tensor"),
-    ("mean-idx-list", lambda a: pk.segmented_mean(a["x"], [0, 0, 1, 1, 1], 2), TypeError,
-     "idx must be a torch.Tensor"),
-    ("sum-idx-float", lambda a: pk.segmented_sum(a["x"], a["idx"].float(), 2), TypeError,
-     "idx must be int32 or int64; got torch.float32"),
-    ("dot-idx-int16", lambda a: pk.segmented_dot(a["x"], a["x"], a["idx"].short(), 2), TypeError,
-     "idx must be int32 or int64; got torch.int16"),
-    ("sum-idx-2D", lambda a: pk.segmented_sum(a["x"], a["idx"][:, None], 2), ValueError, "idx must be 1-D"),
-    ("sum-idx-short", lambda a: pk.segmented_sum(a["x"], a["idx"][:4], 2), ValueError,
-     r"idx must have one entry per row of x \(5\)"),
-    ("matvec-idx-short", lambda a: pk.segmented_matvec(a["x"], a["m"], a["idx"][:4], 2), ValueError,
-     r"idx must have one entry per row of v \(5\)"),
-    # idx values, int32 and int64
-    ("sum-idx-negative", lambda a: pk.segmented_sum(a["x"], a["idx"] - 1, 2), ValueError, "idx must be >= 0"),
-    ("sum-idx64-negative", lambda a: pk.segmented_sum(a["x"], a["idx64"] - 1, 2), ValueError, "idx must be >= 0"),
-    ("sum-idx-too-large", lambda a: pk.segmented_sum(a["x"], a["idx"], 1), ValueError,
-     r"idx must be < num_segments \(1\)"),
-    ("rms-idx-too-large", lambda a: pk.segmented_rms_norm(a["x"], a["idx"], 1), ValueError,
-     r"idx must be < num_segments \(1\)"),
-    ("mul-idx-too-large", lambda a: pk.segmented_mul(a["x"], a["y_seg"][:1], a["idx"], 1), ValueError,
-     r"idx must be < num_segments \(1\)"),
-    # 2**32 + 1 would become 1 in int32, sorted and in range: checked before the conversion
-    ("sum-idx64-beyond-int32",
-     lambda a: pk.segmented_sum(a["x"], torch.tensor([0, 0, 1, 1, 2 ** 32 + 1], device=a["x"].device), 2),
-     ValueError, "idx must be < num_segments"),
-    ("sum-idx-unsorted", lambda a: pk.segmented_sum(a["x"], a["idx"].flip(0), 2), ValueError,
-     "idx must be sorted in non-decreasing order; 1 entries"),
-    ("mean-idx64-unsorted", lambda a: pk.segmented_mean(a["x"], a["idx64"].flip(0), 2), ValueError,
-     "idx must be sorted"),
-    # int64 idx: rows and segments countable in int32 (meta tensors: shapes without memory)
-    ("sum-idx64-2**31-rows", lambda a: pk.segmented_sum(_huge(), _huge(torch.int64), 2), ValueError,
-     r"idx of int64 must have fewer than 2\*\*31 entries"),
-    ("sum-idx64-2**31-segments", lambda a: pk.segmented_sum(a["x"].to("meta"), a["meta_idx"].long(), 2 ** 31),
-     ValueError, r"num_segments must be < 2\*\*31 for an int64 idx"),
-    ("mul-idx64-2**31-segments",
-     lambda a: pk.segmented_mul(a["x"].to("meta"), _huge(rows=2 ** 31), a["meta_idx"].long(), 2 ** 31),
-     ValueError, "num_segments must be < 2"),
-    # x
-    ("sum-x-int", lambda a: pk.segmented_sum(a["x"].long(), a["idx"], 2), TypeError,
-     "x must be float16, bfloat16, float32 or float64; got torch.int64"),
-    ("sum-x-3D", lambda a: pk.segmented_sum(a["x"][:, :, None], a["idx"], 2), ValueError, "x must be 1-D or 2-D"),
-    ("mean-x-no-columns", lambda a: pk.segmented_mean(a["x"][:, :0], a["idx"], 2), ValueError,
-     r"x must have non-empty trailing dimensions; got shape \(5, 0\)"),
-    ("rms-x-list", lambda a: pk.segmented_rms_norm([1.0] * 5, a["idx"], 2), TypeError, "x must be a torch.Tensor"),
-    # num_segments
-    ("sum-num_segments-float", lambda a: pk.segmented_sum(a["x"], a["idx"], 3.0), TypeError,
-     "num_segments must be a Python int"),
-    ("sum-num_segments-negative", lambda a: pk.segmented_sum(a["x"], a["idx"], -1), ValueError,
-     "num_segments must be >= 0"),
-    # the second input
-    ("dot-y-shape", lambda a: pk.segmented_dot(a["x"], a["x"][:, :2], a["idx"], 2), ValueError,
-     "y must have the shape of x"),
-    ("dot-y-int", lambda a: pk.segmented_dot(a["x"], a["x"].int(), a["idx"], 2), TypeError,
-     "y must be float16, bfloat16, float32 or float64; got torch.int32"),
-    ("dot-y-3D", lambda a: pk.segmented_dot(a["x"], a["x"][:, :, None], a["idx"], 2), ValueError,
-     "y must be 1-D or 2-D"),
-    ("mul-y-rows", lambda a: pk.segmented_mul(a["x"], a["y_seg"], a["idx"], 3), ValueError,
-     r"y must have num_segments \(3\) rows"),
-    ("mul-y-shape", lambda a: pk.segmented_mul(a["x"], a["y_seg"][:, :2], a["idx"], 2), ValueError,
-     r"y must have shape \(2, 3\) or \(2,\)"),
-    ("mul-y-int", lambda a: pk.segmented_mul(a["x"], a["y_seg"].long(), a["idx"], 2), TypeError, "y must be float16"),
-    ("mul-y-no-columns", lambda a: pk.segmented_mul(a["x"], a["y_seg"][:, :0], a["idx"], 2), ValueError,
-     "y must have non-empty trailing dimensions"),
-    ("matvec-m-count", lambda a: pk.segmented_matvec(a["x"], a["m"], a["idx"], 3), ValueError,
-     r"m must have num_segments \(3\) matrices"),
-    ("matvec-m-shape", lambda a: pk.segmented_matvec(a["x"], a["m"][:, :2], a["idx"], 2), ValueError,
-     r"m must have shape \(2, 3, K\)"),
-    ("matvec-v-1D", lambda a: pk.segmented_matvec(a["x"][:, 0], a["m"], a["idx"], 2), ValueError, "v must be 2-D"),
-    ("matvec-m-2D", lambda a: pk.segmented_matvec(a["x"], a["m"].flatten(1), a["idx"], 2), ValueError,
-     "m must be 3-D"),
-    ("matvec-m-int", lambda a: pk.segmented_matvec(a["x"], a["m"].int(), a["idx"], 2), TypeError, "m must be float16"),
-    ("matvec-m-no-columns", lambda a: pk.segmented_matvec(a["x"], a["m"][:, :, :0], a["idx"], 2), ValueError,
-     "m must have non-empty trailing dimensions"),
-    # devices
-    ("sum-idx-device", lambda a: pk.segmented_sum(a["x"], a["meta_idx"], 2), ValueError, "idx must be on x's device"),
-    ("dot-y-device", lambda a: pk.segmented_dot(a["x"], a["x"].to("meta"), a["idx"], 2), ValueError,
-     "y must be on x's device"),
-    ("matvec-m-device", lambda a: pk.segmented_matvec(a["x"], a["m"].to("meta"), a["idx"], 2), ValueError,
-     "m must be on v's device"),
-    # torch.func.vmap: refused with a clear error, whichever argument is batched
-    ("sum-vmap-x", lambda a: _vmap(lambda x: pk.segmented_sum(x, a["idx"], 2), a["x"]), NotImplementedError,
-     "x is batched by torch.func.vmap"),
-    ("mean-vmap-idx", lambda a: _vmap(lambda i: pk.segmented_mean(a["x"], i, 2), a["idx"]), NotImplementedError,
-     "idx is batched by torch.func.vmap"),
-    ("matvec-vmap-m", lambda a: _vmap(lambda m: pk.segmented_matvec(a["x"], m, a["idx"], 2), a["m"]),
-     NotImplementedError, "m is batched by torch.func.vmap"),
-    ("rms-vmap-grad-x", lambda a: _vmap(torch.func.grad(lambda x: pk.segmented_rms_norm(x, a["idx"], 2).sum()), a["x"]),
-     NotImplementedError, "x is batched by torch.func.vmap"),
-]
+def _huge(dtype=torch.float32, *shape):
+    """A meta tensor of 2**31 rows (and ``shape`` after them): shapes only, no memory."""
+    return torch.empty((2 ** 31,) + shape, dtype=dtype, device="meta")
 
 
-@pytest.mark.parametrize("call, error, message", [pytest.param(*case[1:], id=case[0]) for case in BAD])
-def test_bad_input(call, error, message, device):
-    with pytest.raises(error, match=message):
-        call(_arguments(device))
+def _meta(arguments):
+    return {k: v.to("meta") if isinstance(v, torch.Tensor) else v for k, v in arguments.items()}
+
+
+def _call(op, **changes):
+    """The call of ``op`` with ``changes``: values, or functions of (good arguments, device)."""
+    def call(arguments, device):
+        for name, value in changes.items():
+            arguments[name] = value(arguments, device) if callable(value) else value
+        return FUNCTIONS[op](**arguments)
+    return call
+
+
+def _vmapped(op, name):
+    """``op`` under ``torch.func.vmap`` over a batch of two copies of argument ``name``."""
+    def call(arguments, device):
+        batched = arguments.pop(name)
+        return torch.func.vmap(lambda t: FUNCTIONS[op](**arguments, **{name: t}))(batched[None].expand(2, *batched.shape))
+    return call
+
+
+def _grad_vmapped(op):
+    """``vmap`` of ``grad`` of ``op``'s sum with respect to its rows."""
+    def call(arguments, device):
+        rows = SIGNATURES[op][0]
+        x = arguments.pop(rows)
+        loss = lambda t: FUNCTIONS[op](**arguments, **{rows: t}).sum()  # noqa: E731
+        return torch.func.vmap(torch.func.grad(loss))(x[None].expand(2, *x.shape))
+    return call
+
+
+def _index_rows(op):
+    """The rows every operation refuses, for its ``idx``, ``num_segments`` and rows argument."""
+    r = SIGNATURES[op][0]
+    other = "meta"
+    with_segments = {"dot": {}, "mul": {"y": lambda a, d: a["y"][:0]}, "matvec": {"m": lambda a, d: a["m"][:0]}}
+    no_segments = with_segments.get(op, {})
+    huge_segments = {"mul": {"y": _huge()}, "matvec": {"m": _huge(torch.float32, 3, 4)}}.get(op, {})
+    huge_rows = {"dot": {"x": _huge(), "y": _huge()}, "matvec": {"v": _huge(torch.float32, 3),
+                                                                 "m": torch.empty(2, 3, 4, device="meta")},
+                 "mul": {"x": _huge(), "y": torch.empty(2, device="meta")}}.get(op, {r: _huge()})
+    return [
+        ("idx-list", _call(op, idx=[0, 0, 1, 1, 1]), TypeError, "idx", "must be a torch.Tensor; got list"),
+        ("idx-float", _call(op, idx=lambda a, d: a["idx"].float()), TypeError, "idx",
+         "must be int32 or int64; got torch.float32"),
+        ("idx-int16", _call(op, idx=lambda a, d: a["idx"].short()), TypeError, "idx", "got torch.int16"),
+        ("idx-bool", _call(op, idx=lambda a, d: a["idx"] > 0), TypeError, "idx", "got torch.bool"),
+        ("idx-2D", _call(op, idx=lambda a, d: a["idx"][:, None]), ValueError, "idx", "must be 1-D; got shape (5, 1)"),
+        ("idx-short", _call(op, idx=lambda a, d: a["idx"][:4]), ValueError, "idx",
+         f"must have one entry per row of {r} (5); got 4 entries"),
+        ("idx-negative", _call(op, idx=lambda a, d: a["idx"] - 1), ValueError, "idx", "must be >= 0; got a minimum of -1"),
+        ("idx64-negative", _call(op, idx=lambda a, d: a["idx"].long() - 1), ValueError, "idx", "must be >= 0"),
+        ("idx-too-large", _call(op, idx=lambda a, d: a["idx"] + 1), ValueError, "idx",
+         "must be < num_segments (2); got a maximum of 2"),
+        # once wrong: 2**32 + 1 is 1 in int32, sorted and in range
+        ("idx64-beyond-int32", _call(op, idx=lambda a, d: torch.tensor([0, 0, 1, 1, 2 ** 32 + 1], device=d)),
+         ValueError, "idx", "must be < num_segments (2); got a maximum of 4294967297"),
+        ("idx-unsorted", _call(op, idx=lambda a, d: a["idx"].flip(0)), ValueError, "idx",
+         "must be sorted in non-decreasing order; 1 entries are smaller than the one before"),
+        ("idx64-unsorted", _call(op, idx=lambda a, d: a["idx"].long().flip(0)), ValueError, "idx", "must be sorted"),
+        ("idx-other-device", _call(op, idx=lambda a, d: a["idx"].to(other)), ValueError, "idx",
+         f"must be on {r}'s device"),
+        ("idx-vmapped", _vmapped(op, "idx"), NotImplementedError, "idx", "is batched by torch.func.vmap"),
+        # once wrong: traced, any idx reached the kernels out of bounds
+        ("rows-without-segments", _call(op, num_segments=0, **no_segments), ValueError, "idx",
+         "must be < num_segments (0), which no row can meet; got 5 rows"),
+        ("idx64-2**31-rows", lambda a, d: FUNCTIONS[op](**dict(_meta(a), idx=_huge(torch.int64), **huge_rows)),
+         ValueError, "idx", "of int64 must have fewer than 2**31 entries"),
+        ("num_segments-float", _call(op, num_segments=2.0), TypeError, "num_segments",
+         "must be a Python int; got float"),
+        ("num_segments-bool", _call(op, num_segments=True), TypeError, "num_segments", "got bool"),
+        ("num_segments-tensor", _call(op, num_segments=torch.tensor(2)), TypeError, "num_segments", "got Tensor"),
+        ("num_segments-negative", _call(op, num_segments=-1), ValueError, "num_segments", "must be >= 0; got -1"),
+        ("num_segments-2**31-with-idx64",
+         lambda a, d: FUNCTIONS[op](**dict(_meta(a), idx=a["idx"].long().to("meta"), num_segments=2 ** 31,
+                                           **huge_segments)),
+         ValueError, "num_segments", "must be < 2**31 for an int64 idx"),
+        (f"{r}-list", _call(op, **{r: lambda a, d: a[r].tolist()}), TypeError, r, "must be a torch.Tensor; got list"),
+        (f"{r}-int", _call(op, **{r: lambda a, d: a[r].long()}), TypeError, r,
+         "must be float16, bfloat16, float32 or float64; got torch.int64"),
+        (f"{r}-bool", _call(op, **{r: lambda a, d: a[r] > 0}), TypeError, r, "got torch.bool"),
+        (f"{r}-3D", _call(op, **{r: lambda a, d: a[r][:, :, None]}), ValueError, r,
+         "must be 2-D" if op == "matvec" else "must be 1-D or 2-D; got shape (5, 3, 1)"),
+        (f"{r}-0D", _call(op, **{r: lambda a, d: a[r][0, 0]}), ValueError, r, "got shape ()"),
+        (f"{r}-no-columns", _call(op, **{r: lambda a, d: a[r][:, :0]}), ValueError, r,
+         "must have non-empty trailing dimensions; got shape (5, 0)"),
+        (f"{r}-vmapped", _vmapped(op, r), NotImplementedError, r, "is batched by torch.func.vmap"),
+        (f"{r}-vmapped-grad", _grad_vmapped(op), NotImplementedError, r, "is batched by torch.func.vmap"),
+    ]
+
+
+_SECOND_ROWS = {
+    "dot": [
+        ("y-list", _call("dot", y=lambda a, d: a["y"].tolist()), TypeError, "y", "must be a torch.Tensor"),
+        ("y-int", _call("dot", y=lambda a, d: a["y"].int()), TypeError, "y",
+         "must be float16, bfloat16, float32 or float64; got torch.int32"),
+        ("y-3D", _call("dot", y=lambda a, d: a["y"][:, :, None]), ValueError, "y", "must be 1-D or 2-D"),
+        ("y-narrower", _call("dot", y=lambda a, d: a["y"][:, :2]), ValueError, "y",
+         "must have the shape of x (5, 3); got (5, 2)"),
+        ("y-fewer-rows", _call("dot", y=lambda a, d: a["y"][:4]), ValueError, "y", "must have the shape of x"),
+        ("y-no-columns", _call("dot", y=lambda a, d: a["y"][:, :0]), ValueError, "y",
+         "must have non-empty trailing dimensions"),
+        ("y-other-device", _call("dot", y=lambda a, d: a["y"].to("meta")), ValueError, "y", "must be on x's device"),
+        ("y-vmapped", _vmapped("dot", "y"), NotImplementedError, "y", "is batched by torch.func.vmap"),
+    ],
+    "mul": [
+        ("y-list", _call("mul", y=lambda a, d: a["y"].tolist()), TypeError, "y", "must be a torch.Tensor"),
+        ("y-int", _call("mul", y=lambda a, d: a["y"].long()), TypeError, "y", "got torch.int64"),
+        ("y-3D", _call("mul", y=lambda a, d: a["y"][:, :, None]), ValueError, "y", "must be 1-D or 2-D"),
+        ("y-rows-not-num_segments", _call("mul", num_segments=3), ValueError, "y",
+         "must have num_segments (3) rows; got shape (2, 3)"),
+        ("y-narrower", _call("mul", y=lambda a, d: a["y"][:, :2]), ValueError, "y",
+         "must have shape (2, 3) or (2,); got (2, 2)"),
+        ("y-2D-for-1D-x", _call("mul", x=lambda a, d: a["x"][:, 0]), ValueError, "y", "must have shape (2,) or (2,)"),
+        ("y-no-columns", _call("mul", y=lambda a, d: a["y"][:, :0]), ValueError, "y",
+         "must have non-empty trailing dimensions"),
+        ("y-other-device", _call("mul", y=lambda a, d: a["y"].to("meta")), ValueError, "y", "must be on x's device"),
+        ("y-vmapped", _vmapped("mul", "y"), NotImplementedError, "y", "is batched by torch.func.vmap"),
+    ],
+    "matvec": [
+        ("m-list", _call("matvec", m=lambda a, d: a["m"].tolist()), TypeError, "m", "must be a torch.Tensor"),
+        ("m-int", _call("matvec", m=lambda a, d: a["m"].int()), TypeError, "m", "got torch.int32"),
+        ("m-2D", _call("matvec", m=lambda a, d: a["m"].flatten(1)), ValueError, "m", "must be 3-D; got shape (2, 12)"),
+        ("m-count-not-num_segments", _call("matvec", m=lambda a, d: a["m"][:1]), ValueError, "m",
+         "must have num_segments (2) matrices; got shape (1, 3, 4)"),
+        ("m-rows-not-v-columns", _call("matvec", m=lambda a, d: a["m"][:, :2]), ValueError, "m",
+         "must have shape (2, 3, K) to match v's 3 columns; got (2, 2, 4)"),
+        ("m-no-columns", _call("matvec", m=lambda a, d: a["m"][:, :, :0]), ValueError, "m",
+         "must have non-empty trailing dimensions"),
+        ("m-other-device", _call("matvec", m=lambda a, d: a["m"].to("meta")), ValueError, "m", "must be on v's device"),
+        ("m-vmapped", _vmapped("matvec", "m"), NotImplementedError, "m", "is batched by torch.func.vmap"),
+    ],
+}
+
+#: One table per operation.
+BAD_INPUTS = {op: _index_rows(op) + _SECOND_ROWS.get(op, []) for op in FUNCTIONS}
+
+
+def test_each_table_covers_every_argument_of_its_operation():
+    for op, rows in BAD_INPUTS.items():
+        assert {row[3] for row in rows} == set(SIGNATURES[op]), op
+        names = [row[0] for row in rows]
+        assert len(names) == len(set(names)), op
+
+
+@pytest.mark.parametrize("op, call, error, argument, words", [
+    pytest.param(op, *row[1:], id=f"{op}-{row[0]}") for op, rows in BAD_INPUTS.items() for row in rows])
+def test_bad_input(op, call, error, argument, words, device):
+    with pytest.raises(error, match=re.escape(words)) as raised:
+        call(good_arguments(op, device), device)
+    assert str(raised.value).startswith(f"{argument} "), str(raised.value)
+
+
+@pytest.mark.parametrize("op", list(FUNCTIONS))
+def test_good_arguments_give_the_reference(op, device):
+    """The call every row spoils is itself good: the float64 NumPy loops' result."""
+    arguments = good_arguments(op, device)
+    tensors = [arguments[name] for name in SIGNATURES[op][:-2]]
+    assert_close(f"{op} of the good arguments", FUNCTIONS[op](**arguments),
+                 numpy_forward(op, tensors, arguments["idx"], 2), atol=1e-6, rtol=1e-6)

@@ -157,20 +157,30 @@ def test_rms_norm_of_huge_rows_float64_finite_float32_as_documented(scale, devic
         assert got.tolist() == [float("inf")] * 2
 
 
-def test_empty_segments_give_zero_with_finite_zero_gradient(device):
+def test_empty_segments_give_zero_with_zero_gradient(device):
+    """Empty segments give exactly 0, and so does the gradient of their rows: none; a segment
+    of all-zero rows has rms 0 and a zero gradient of both orders (not NaN). Every
+    derivative against the float64 NumPy loops."""
     idx = make_idx([0, 3, 0, 2, 0], device)
     x = torch.tensor([[1.0, 2.0], [0.5, -1.0], [3.0, 0.0], [0.0, 0.0], [0.0, 0.0]], dtype=torch.float64,
                      device=device, requires_grad=True)
+    grad = torch.tensor([[0.3, -1.1], [0.0, 0.0], [2.0, 0.7], [-0.4, 1.3], [0.9, 0.2], [0.0, 0.0]],
+                        dtype=torch.float64, device=device)
     for op in ("sum", "mean", "rms_norm"):
         out = PUBLIC[op](x, idx, 6)
         assert out[[0, 2, 4, 5]].abs().sum().item() == 0.0
-        (grad,) = torch.autograd.grad(out.square().sum(), x, create_graph=True)
-        assert torch.isfinite(grad).all()
+        assert_close(f"{op} forward", out, numpy_forward(op, [x], idx, 6), atol=1e-12, rtol=1e-12)
+        g = (grad[:, 0] if op == "rms_norm" else grad).clone().requires_grad_()  # so that `first` has a graph
+        (first,) = torch.autograd.grad(out, x, g, create_graph=True)
+        assert_close(f"{op} gradient", first, numpy_backward(op, [x], idx, 6, g)[0], atol=1e-12, rtol=1e-12)
+        cotangent = torch.ones_like(first)
+        (second,) = torch.autograd.grad(first, x, cotangent, allow_unused=True)
+        second = torch.zeros_like(x) if second is None else second
+        expected_second = numpy_double_backward(op, [x], idx, 6, g, [cotangent])[0]
+        assert_close(f"{op} second derivative", second, expected_second, atol=1e-12, rtol=1e-10)
         if op == "rms_norm":
-            # Segment 3 has rows, but all zero: rms 0 and gradient 0 (not NaN).
-            assert out[3].item() == 0.0 and grad[3:].abs().sum().item() == 0.0
-            (second,) = torch.autograd.grad(grad.sum(), x)
-            assert torch.isfinite(second).all()
+            assert out[3].item() == 0.0 and first[3:].abs().sum().item() == 0.0
+            assert second[3:].abs().sum().item() == 0.0
 
 
 @pytest.mark.parametrize("rows_in_order", [4, 0], ids=["in-order", "scan"])
@@ -244,29 +254,38 @@ def test_strided_inputs_and_idx(op, device):
 
 
 def test_no_rows(device):
+    """No rows: every segment is empty (exactly 0, in the input's dtype), and with no segments
+    either the output has no rows; the row-wise operations give no rows."""
     idx = torch.zeros(0, dtype=torch.int32, device=device)
     x = torch.zeros(0, 3, dtype=torch.float32, device=device, requires_grad=True)
     for op in ("sum", "mean", "rms_norm"):
         out = PUBLIC[op](x, idx, 4)
-        assert out.shape[0] == 4 and out.abs().sum().item() == 0.0
-    out = pk.segmented_sum(x, idx, 0)
-    assert out.shape == (0, 3)
-    assert pk.segmented_matvec(x, torch.zeros(4, 3, 3, device=device), idx, 4).shape == (0, 3)
+        want = torch.zeros((4,) if op == "rms_norm" else (4, 3), dtype=torch.float32, device=device)
+        assert out.dtype == torch.float32 and torch.equal(out, want), op
+        (grad,) = torch.autograd.grad(out.sum(), x)
+        assert torch.equal(grad, torch.zeros(0, 3, device=device)), op
+    assert torch.equal(pk.segmented_dot(x, x, idx, 4), torch.zeros(4, device=device))
+    assert torch.equal(pk.segmented_sum(x, idx, 0), torch.zeros(0, 3, device=device))
+    assert torch.equal(pk.segmented_mul(x, torch.ones(4, 3, device=device), idx, 4), torch.zeros(0, 3, device=device))
+    assert torch.equal(pk.segmented_matvec(x, torch.zeros(4, 3, 2, device=device), idx, 4),
+                       torch.zeros(0, 2, device=device))
 
 
-def test_output_shapes(device):
+@pytest.mark.parametrize("width", [None, 3], ids=["scalar", "D3"])
+def test_output_shapes_and_values(width, device):
+    """Each operation's output shape for ``(N,)`` and ``(N, D)`` inputs (``(S,)``, ``(S, D)``
+    or ``x``'s), with its values: the float64 NumPy loops' on the same float32 inputs."""
     idx = make_idx([2, 3], device)
-    x1 = torch.randn(5, device=device)
-    x3 = torch.randn(5, 3, device=device)
-    assert pk.segmented_sum(x1, idx, 4).shape == (4,)
-    assert pk.segmented_sum(x3, idx, 4).shape == (4, 3)
-    assert pk.segmented_mean(x3, idx, 4).shape == (4, 3)
-    assert pk.segmented_dot(x3, x3, idx, 4).shape == (4,)
-    assert pk.segmented_dot(x1, x1, idx, 4).shape == (4,)
-    assert pk.segmented_rms_norm(x3, idx, 4).shape == (4,)
-    assert pk.segmented_mul(x3, torch.randn(4, 3, device=device), idx, 4).shape == (5, 3)
-    assert pk.segmented_mul(x3, torch.randn(4, device=device), idx, 4).shape == (5, 3)
-    assert pk.segmented_matvec(x3, torch.randn(4, 3, 3, device=device), idx, 4).shape == (5, 3)
+    for op in OPS:
+        if not applicable(op, width):
+            continue
+        inputs = make_inputs(op, 5, 4, width, torch.float32, device, seed=13)
+        out = PUBLIC[op](*inputs, idx, 4)
+        rows = inputs[0].shape
+        shape = {"dot": (4,), "rms_norm": (4,), "sum": (4,) + rows[1:], "mean": (4,) + rows[1:],
+                 "matvec": (5, 4)}.get(op, rows)
+        assert out.shape == shape and out.dtype == torch.float32, op
+        assert_close(f"{op} values", out, numpy_forward(op, inputs, idx, 4), atol=1e-5, rtol=1e-5)
 
 
 def test_wide_rows_use_several_column_blocks(device):
