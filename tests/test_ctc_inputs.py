@@ -2,9 +2,9 @@
 of a good call and names the exception, the argument its message must name and words the
 message must contain.
 
-Rows marked *unchecked before* are values that, if they reached the kernels, would give a
-result without an error: the kernels clamp every index they read (see
-``test_trusted_values.py``), and an int64 value beyond int32 would wrap there.
+Rows marked *silent if unchecked* are values that would give a result without an error if
+they reached the kernels: the kernels clamp every index they read (see
+``test_trusted_values.py``), and an int64 value beyond int32 wraps there.
 """
 from __future__ import annotations
 
@@ -73,15 +73,15 @@ BAD_INPUTS = {
     "cu_seqlens-empty": (_set("cu_seqlens", lambda a, d: a["cu_seqlens"][:0]), ValueError, "cu_seqlens",
                          "must have B + 1 >= 1 entries"),
     "cu_seqlens-not-from-0": (_set("cu_seqlens", _tensor([1, 4, 7])), ValueError, "cu_seqlens", "start at 0"),
-    # unchecked before: the kernels clamp a negative start to 0
+    # silent if unchecked: the kernels clamp a negative start to 0
     "cu_seqlens-negative-start": (_set("cu_seqlens", _tensor([-1, 4, 7])), ValueError, "cu_seqlens", "start at 0"),
     "cu_seqlens-decreasing": (_set("cu_seqlens", _tensor([0, 5, 3], torch.int32)), ValueError, "cu_seqlens",
                               "non-decreasing; got 1 decreasing step(s)"),
     "cu_seqlens-short-of-T_total": (_set("cu_seqlens", _tensor([0, 4, 6], torch.int32)), ValueError, "cu_seqlens",
                                     "end at T_total = log_probs.shape[0] = 7"),
-    # unchecked before: the kernels clamp each end to T_total
+    # silent if unchecked: the kernels clamp each end to T_total
     "cu_seqlens-beyond-T_total": (_set("cu_seqlens", _tensor([0, 4, 9])), ValueError, "cu_seqlens", "end at T_total"),
-    # unchecked before: 2**32 + 7 is 7 in int32
+    # silent if unchecked: 2**32 + 7 is 7 in int32
     "cu_seqlens-int64-wraps-to-T_total": (_set("cu_seqlens", _tensor([0, 4, 2 ** 32 + 7])), ValueError, "cu_seqlens",
                                           "got cu_seqlens[-1] = 4294967303"),
     "cu_seqlens-other-device": (_set("cu_seqlens", lambda a, d: a["cu_seqlens"].to(_other_device(d))), ValueError,
@@ -102,7 +102,7 @@ BAD_INPUTS = {
     "targets-negative-id": (_set("targets", _first_target(-1)), ValueError, "targets",
                             "must lie in [0, C=5) within each target length; got 1 id(s)"),
     "targets-id-too-large": (_set("targets", _first_target(5)), ValueError, "targets", "must lie in [0, C=5)"),
-    # unchecked before: 2**32 + 1 is 1 in int32
+    # silent if unchecked: 2**32 + 1 is 1 in int32
     "targets-int64-wraps-to-a-class": (_set("targets", _first_target(2 ** 32 + 1)), ValueError, "targets",
                                        "must lie in [0, C=5)"),
     "targets-other-device": (_set("targets", lambda a, d: a["targets"].to(_other_device(d))), ValueError, "targets",
@@ -118,7 +118,7 @@ BAD_INPUTS = {
                           "target_lengths", "must be 1-D (B,)"),
     "target_lengths-wrong-batch": (_set("target_lengths", lambda a, d: a["target_lengths"][:1]), ValueError,
                                    "target_lengths", "must have shape (B=2,) to match cu_seqlens"),
-    # unchecked before: the kernels clamp lengths to [0, U]
+    # silent if unchecked: the kernels clamp lengths to [0, U]
     "target_lengths-negative": (_set("target_lengths", _tensor([2, -1])), ValueError, "target_lengths",
                                 "must be >= 0; got a length of -1"),
     "target_lengths-too-long": (_set("target_lengths", _tensor([4, 1])), ValueError, "target_lengths",

@@ -108,8 +108,8 @@ def test_promoted_result_is_close_to_float64(device):
 
 # --- bad input: one table per operation ---------------------------------------------------
 # Each row spoils one argument of a good call: the exception, the argument the message
-# starts with, and words it must contain. Rows marked *once wrong* are values that, unchecked,
-# gave a plausible result or reached a kernel out of bounds.
+# starts with, and words it must contain. Rows marked *wrong if unchecked* are values that,
+# had they reached the kernels, would give a plausible result or index out of bounds.
 
 FUNCTIONS = {"sum": pk.segmented_sum, "mean": pk.segmented_mean, "dot": pk.segmented_dot, "mul": pk.segmented_mul,
              "rms_norm": pk.segmented_rms_norm, "matvec": pk.segmented_matvec}
@@ -154,7 +154,8 @@ def _vmapped(op, name):
     """``op`` under ``torch.func.vmap`` over a batch of two copies of argument ``name``."""
     def call(arguments, device):
         batched = arguments.pop(name)
-        return torch.func.vmap(lambda t: FUNCTIONS[op](**arguments, **{name: t}))(batched[None].expand(2, *batched.shape))
+        batch = batched[None].expand(2, *batched.shape)
+        return torch.func.vmap(lambda t: FUNCTIONS[op](**arguments, **{name: t}))(batch)
     return call
 
 
@@ -187,11 +188,12 @@ def _index_rows(op):
         ("idx-2D", _call(op, idx=lambda a, d: a["idx"][:, None]), ValueError, "idx", "must be 1-D; got shape (5, 1)"),
         ("idx-short", _call(op, idx=lambda a, d: a["idx"][:4]), ValueError, "idx",
          f"must have one entry per row of {r} (5); got 4 entries"),
-        ("idx-negative", _call(op, idx=lambda a, d: a["idx"] - 1), ValueError, "idx", "must be >= 0; got a minimum of -1"),
+        ("idx-negative", _call(op, idx=lambda a, d: a["idx"] - 1), ValueError, "idx",
+         "must be >= 0; got a minimum of -1"),
         ("idx64-negative", _call(op, idx=lambda a, d: a["idx"].long() - 1), ValueError, "idx", "must be >= 0"),
         ("idx-too-large", _call(op, idx=lambda a, d: a["idx"] + 1), ValueError, "idx",
          "must be < num_segments (2); got a maximum of 2"),
-        # once wrong: 2**32 + 1 is 1 in int32, sorted and in range
+        # wrong if unchecked: 2**32 + 1 is 1 in int32, sorted and in range
         ("idx64-beyond-int32", _call(op, idx=lambda a, d: torch.tensor([0, 0, 1, 1, 2 ** 32 + 1], device=d)),
          ValueError, "idx", "must be < num_segments (2); got a maximum of 4294967297"),
         ("idx-unsorted", _call(op, idx=lambda a, d: a["idx"].flip(0)), ValueError, "idx",
@@ -200,7 +202,7 @@ def _index_rows(op):
         ("idx-other-device", _call(op, idx=lambda a, d: a["idx"].to(other)), ValueError, "idx",
          f"must be on {r}'s device"),
         ("idx-vmapped", _vmapped(op, "idx"), NotImplementedError, "idx", "is batched by torch.func.vmap"),
-        # once wrong: traced, any idx reached the kernels out of bounds
+        # wrong if unchecked: no idx value can be in range, and there is no segment to clamp to
         ("rows-without-segments", _call(op, num_segments=0, **no_segments), ValueError, "idx",
          "must be < num_segments (0), which no row can meet; got 5 rows"),
         ("idx64-2**31-rows", lambda a, d: FUNCTIONS[op](**dict(_meta(a), idx=_huge(torch.int64), **huge_rows)),

@@ -176,6 +176,23 @@ def test_ctc_decreasing_offsets_give_each_utterance_its_clamped_frames(device):
     assert_close("losses of overlapping utterances", loss, expected, atol=1e-12, rtol=1e-12)
 
 
+@pytest.mark.parametrize("which", ["cu_seqlens", "target_lengths", "targets"])
+@pytest.mark.xfail(strict=True, reason="the kernels convert int64 offsets, lengths and ids to int32 before "
+                                       "clamping them: a value beyond int32 wraps (2**32 + 8 reads as 8)")
+def test_ctc_int64_values_beyond_int32_are_clamped(which, device):
+    x = _log_probs(12, 5, device)
+    arguments = {"cu_seqlens": torch.tensor([0, 4, 8, 12], device=device),
+                 "targets": torch.tensor(TARGETS, device=device),
+                 "target_lengths": torch.tensor([2, 3, 1], device=device)}
+    arguments[which] = {"cu_seqlens": torch.tensor([0, 4, 2 ** 32 + 8, 2 ** 33], device=device),
+                        "target_lengths": torch.tensor([2, 2 ** 32 + 1, 1], device=device),
+                        "targets": torch.tensor([[1, 2, 3], [2, 2 ** 32 + 1, 1], [4, 1, 2]], device=device)}[which]
+    cu, targets, lengths = arguments["cu_seqlens"], arguments["targets"], arguments["target_lengths"]
+    loss = torch.ops.packed_kernels.ctc_loss.default(x, cu, targets, lengths, 0, "none", False)[0]
+    expected = clamped_ctc_reference(x, cu, targets, lengths, 0, "none", torch.ones(3))[0]
+    assert_close(f"losses with an int64 {which} beyond int32", loss, expected, atol=1e-12, rtol=1e-12)
+
+
 def test_ctc_public_function_inside_torch_compile_clamps(device):
     """Inside ``torch.compile`` no value is checked: out-of-range target ids and lengths
     reach the kernels, and the loss and gradient are the clamped ones."""
