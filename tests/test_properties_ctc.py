@@ -22,9 +22,10 @@ from tests.assertions import assert_close
 from tests.references import LAYOUTS, as_layout, ctc_loss_reference, property_settings, rounded
 
 #: Tolerance (atol = rtol) of the gradient by the input dtype; the loss is computed in
-#: float32 for every dtype but float64, from the same rounded log-probabilities.
-GRADIENT_TOLERANCE = {torch.float64: 1e-12, torch.float32: 3e-6, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
-LOSS_TOLERANCE = {torch.float64: 1e-12, torch.float32: 1e-6, torch.float16: 1e-6, torch.bfloat16: 1e-6}
+#: float32 for every dtype but float64, from the same rounded log-probabilities. float32
+#: leaves room for the GPU's approximate exp and log.
+GRADIENT_TOLERANCE = {torch.float64: 1e-12, torch.float32: 5e-6, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
+LOSS_TOLERANCE = {torch.float64: 1e-12, torch.float32: 5e-6, torch.float16: 5e-6, torch.bfloat16: 5e-6}
 
 
 @dataclass(frozen=True)
