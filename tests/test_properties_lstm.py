@@ -11,6 +11,7 @@ whose gradients are checked against autograd through the same reference.
 """
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 from typing import Tuple
 
@@ -82,6 +83,11 @@ def make_module(case: LSTMCase, device) -> torch.nn.LSTM:
         for p in lstm.parameters():
             p.copy_(torch.rand(p.shape, generator=g) - 0.5)
     return lstm.to(device).eval()
+
+
+def on_cpu(lstm: torch.nn.LSTM) -> torch.nn.LSTM:
+    """A CPU copy of ``lstm`` for the reference (the module itself stays where the call ran)."""
+    return copy.deepcopy(lstm).cpu()
 
 
 def make_sequences(case: LSTMCase):
@@ -185,7 +191,7 @@ def check_against_reference(case: LSTMCase, device) -> None:
     with torch.no_grad():
         outputs, h_n, c_n, seen = call_module(model, case, sequences, state, device)
     assert h_n.shape == (case.num_states, len(case.lengths), case.hidden_size)
-    want_outputs, want_h, want_c = lstm_reference(lstm.cpu(), seen, *(state or (None, None)))
+    want_outputs, want_h, want_c = lstm_reference(on_cpu(lstm), seen, *(state or (None, None)))
     check_outputs(case, outputs, h_n, c_n, want_outputs, want_h, want_c)
 
 
@@ -224,7 +230,7 @@ def test_persistent_lstm_gradients_where_it_runs_the_module(device, mode, data):
         y = y if case.batch_first else y.transpose(0, 1)
         outputs = [y[b, :n] for b, n in enumerate(case.lengths)]
         seen = leaves
-    want_outputs, want_h, want_c = lstm_reference(lstm.cpu(), seen, *(state_leaves or (None, None)))
+    want_outputs, want_h, want_c = lstm_reference(on_cpu(lstm), seen, *(state_leaves or (None, None)))
     check_outputs(case, [o.detach() for o in outputs], h_n.detach(), c_n.detach(),
                   [o.detach() for o in want_outputs], want_h.detach(), want_c.detach())
 
