@@ -4,8 +4,10 @@ Random batches: utterances of 0 to 7 frames (zero-frame and one-frame ones), tar
 of 0 to 4 labels with repeats and ids equal to the blank, junk ids beyond each target
 length, impossible alignments, every reduction, ``zero_infinity`` on and off, any
 blank, four dtypes, strided ``log_probs`` (transposed, sliced, expanded) and index
-tensors of int32 or int64, strided targets. The loss and its gradient (for a random
-upstream gradient) are compared with :func:`tests.references.ctc_loss_reference`.
+tensors of int32 or int64, strided targets, offsets and target lengths. The loss and
+its gradient (for a random upstream gradient) are compared with
+:func:`tests.references.ctc_loss_reference`; two identical calls give the same bits,
+as the kernels promise (no atomics, every sum in a fixed order).
 """
 from __future__ import annotations
 
@@ -43,6 +45,7 @@ class CTCCase:
     layout: str  # of log_probs
     index_dtype: torch.dtype
     targets_layout: str
+    strided_lengths: bool  # cu_seqlens and target_lengths as views of stride 2
     seed: int
 
 
@@ -70,6 +73,7 @@ def ctc_cases(draw, dtype: torch.dtype, reduction: str) -> CTCCase:
         dtype=dtype, layout=draw(st.sampled_from(LAYOUTS)),
         index_dtype=draw(st.sampled_from([torch.int32, torch.int64])),
         targets_layout=draw(st.sampled_from(["contiguous", "transposed", "sliced"])),
+        strided_lengths=draw(st.booleans()),
         seed=draw(st.integers(0, 2 ** 31 - 1)),
     )
 
@@ -85,8 +89,10 @@ def inputs(case: CTCCase, device):
     cu_seqlens = torch.tensor([0] + [sum(case.input_lengths[: b + 1]) for b in range(B)], dtype=case.index_dtype)
     target_lengths = torch.tensor(case.target_lengths, dtype=case.index_dtype)
     grad_output = torch.randn((B,) if case.reduction == "none" else (), generator=g, dtype=torch.float64)
-    return (log_probs, cu_seqlens.to(device), as_layout(targets.to(device), case.targets_layout),
-            target_lengths.to(device), grad_output)
+    lengths_layout = "sliced" if case.strided_lengths else "contiguous"
+    return (log_probs, as_layout(cu_seqlens.to(device), lengths_layout),
+            as_layout(targets.to(device), case.targets_layout), as_layout(target_lengths.to(device), lengths_layout),
+            grad_output)
 
 
 def package_loss_and_gradient(case: CTCCase, device, log_probs, cu_seqlens, targets, target_lengths, grad_output):
@@ -111,7 +117,8 @@ def reference_loss_and_gradient(case: CTCCase, log_probs, cu_seqlens, targets, t
 def _case(**fields) -> CTCCase:
     base = dict(input_lengths=(3, 0, 1, 4), target_lengths=(2, 0, 1, 3), targets=((1, 1, 9), (0, -1, 5), (2, 7, 7),
                 (2, 0, 2)), num_classes=3, blank=0, reduction="mean", zero_infinity=False, dtype=torch.float64,
-                layout="contiguous", index_dtype=torch.int64, targets_layout="contiguous", seed=3)
+                layout="contiguous", index_dtype=torch.int64, targets_layout="contiguous",
+                strided_lengths=False, seed=3)
     return CTCCase(**{**base, **fields})
 
 
