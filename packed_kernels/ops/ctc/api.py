@@ -43,7 +43,9 @@ def _loss_is_nll(reduction: str, zero_infinity: bool) -> bool:
     return reduction == "none" and not zero_infinity
 
 
-def _reduce(nll: Tensor, target_lengths: Tensor, reduction: str, zero_infinity: bool) -> Tensor:
+def _reduce(nll: Tensor, target_lengths: Tensor, reduction: str, zero_infinity: bool, U: int) -> Tensor:
+    """The reduced loss; the mean divides by each target length as the kernels read it
+    (clamped to ``[1, U]``), so that the gradient is that of the returned loss."""
     loss = nll
     if zero_infinity:
         loss = torch.where(torch.isinf(loss), torch.zeros_like(loss), loss)
@@ -51,7 +53,7 @@ def _reduce(nll: Tensor, target_lengths: Tensor, reduction: str, zero_infinity: 
         return loss
     if reduction == "sum":
         return loss.sum()
-    return (loss / target_lengths.clamp(min=1)).mean()
+    return (loss / target_lengths.clamp(1, max(U, 1))).mean()
 
 
 @operator("ctc_loss")
@@ -68,7 +70,7 @@ def _ctc_loss(
     gradient needs (``nll`` is empty where the loss is the ``(B,)`` losses themselves)."""
     nll, *saved = ctc_forward_triton(log_probs, cu_seqlens, targets, target_lengths, blank,
                                      ctc_forward_config(targets.shape[1]))
-    loss = _reduce(nll, target_lengths, reduction, zero_infinity)
+    loss = _reduce(nll, target_lengths, reduction, zero_infinity, targets.shape[1])
     return (loss, nll.new_empty(0) if _loss_is_nll(reduction, zero_infinity) else nll, *saved)
 
 
@@ -296,7 +298,7 @@ def _padded_stage_loss(log_probs, cu_seqlens, targets, target_lengths, blank, re
     padded = log_probs.new_zeros((B, longest, C)).index_put((utterance_of_row, frame_of_row), log_probs)
     nll = ctc_loss_padded(padded, cu_seqlens.diff(), targets, target_lengths, blank, "none", False)
     nll = _PyTorchGradientConvention.apply(nll, log_probs, utterance_of_row, zero_infinity)
-    return _reduce(nll, target_lengths, reduction, zero_infinity)
+    return _reduce(nll, target_lengths, reduction, zero_infinity, targets.shape[1])
 
 
 def _autocast_enabled(device_type: str) -> bool:

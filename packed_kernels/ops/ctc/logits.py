@@ -77,8 +77,8 @@ def _fake_forward(rows: Tensor, dtype: torch.dtype, B: int, U: int, reduction: s
     return (loss, nll, lse, state, *groups)
 
 
-def _loss_outputs(nll, saved, target_lengths, reduction, zero_infinity):
-    loss = _reduce(nll, target_lengths, reduction, zero_infinity)
+def _loss_outputs(nll, saved, target_lengths, reduction, zero_infinity, U):
+    loss = _reduce(nll, target_lengths, reduction, zero_infinity, U)
     return (loss, nll.new_empty(0) if _loss_is_nll(reduction, zero_infinity) else nll, *saved)
 
 
@@ -101,7 +101,7 @@ def _ctc_loss_from_logits(
     B, U = cu_seqlens.shape[0] - 1, targets.shape[1]
     nll, *saved = ctc_logits_forward_triton(logits, cu_seqlens, targets, target_lengths, blank,
                                             *_configs(B, logits.shape[1], U))
-    return _loss_outputs(nll, saved, target_lengths, reduction, zero_infinity)
+    return _loss_outputs(nll, saved, target_lengths, reduction, zero_infinity, U)
 
 
 @_ctc_loss_from_logits.register_fake
@@ -184,7 +184,7 @@ def _ctc_linear_loss(
     B, U = cu_seqlens.shape[0] - 1, targets.shape[1]
     nll, *saved = ctc_linear_forward_triton(hidden, weight, bias, cu_seqlens, targets, target_lengths, blank,
                                             chunk_frames, *_configs(B, weight.shape[0], U))
-    return _loss_outputs(nll, saved, target_lengths, reduction, zero_infinity)
+    return _loss_outputs(nll, saved, target_lengths, reduction, zero_infinity, U)
 
 
 @_ctc_linear_loss.register_fake

@@ -131,10 +131,10 @@ def ctc_alpha_beta_pairs_kernel(
     NEG_INF: tl.constexpr = float("-inf")
     # Clamps keep every access in bounds even for inputs that could not be validated
     # (while tracing or capturing); valid inputs pass through unchanged.
-    start = tl.minimum(tl.maximum(tl.load(cu_seqlens_ptr + b).to(tl.int32), 0), T_total)
-    end = tl.minimum(tl.maximum(tl.load(cu_seqlens_ptr + b + 1).to(tl.int32), start), T_total)
+    start = _clamp_index(tl.load(cu_seqlens_ptr + b), 0, T_total)
+    end = _clamp_index(tl.load(cu_seqlens_ptr + b + 1), start, T_total)
     n_frames = end - start
-    L = tl.minimum(tl.maximum(tl.load(target_lengths_ptr + b).to(tl.int32), 0), U)
+    L = _clamp_index(tl.load(target_lengths_ptr + b), 0, U)
 
     k = tl.arange(0, BLOCK_U)
     blank_lane = k <= L
@@ -142,10 +142,10 @@ def ctc_alpha_beta_pairs_kernel(
     target_row = targets_ptr + b.to(tl.int64) * stride_tg_b
     position = tl.where(backward, L - 1 - k, k)  # target index of o_k
     label = tl.load(target_row + position * stride_tg_u, mask=label_lane, other=blank)
-    label = tl.minimum(tl.maximum(label.to(tl.int32), 0), C - 1)
+    label = _clamp_index(label, 0, C - 1)
     before = tl.where(backward, L - k, k - 1)  # target index of o_{k-1}
     label_before = tl.load(target_row + before * stride_tg_u, mask=label_lane & (k >= 1), other=blank)
-    label_before = tl.minimum(tl.maximum(label_before.to(tl.int32), 0), C - 1)
+    label_before = _clamp_index(label_before, 0, C - 1)
     can_skip = label_lane & (k >= 1) & (label != label_before)
     blank_column = tl.where(backward, 2 * L - 2 * k, 2 * k)
     label_column = tl.where(backward, 2 * L - 2 * k - 1, 2 * k + 1)
@@ -219,16 +219,27 @@ def ctc_alpha_beta_pairs_kernel(
 
 
 @triton.jit
+def _clamp_index(value, low, high):
+    """``value`` clamped to ``[low, high]``, then int32: clamped in its own dtype first,
+    so that an int64 value beyond int32 clamps instead of wrapping."""
+    return tl.minimum(tl.maximum(value, low), high).to(tl.int32)
+
+
+@triton.jit
 def _owner_of_rows(rows, cu_seqlens_ptr, B, ROWS: tl.constexpr, BLOCK_B: tl.constexpr):
-    """The utterance owning each packed row: the number of utterances that end at or
-    before it (clamped to ``B - 1``, so rows beyond ``T_total`` read a real utterance)."""
+    """``(owner, in_utterance)`` of each packed row: the utterance owning it, the number of
+    utterances that end at or before it (clamped to ``B - 1``, so every row reads a real
+    utterance), and whether the row lies in that utterance's frames (rows before
+    ``cu_seqlens[0]`` or from ``cu_seqlens[B]`` on belong to none)."""
     owner = tl.zeros((ROWS,), dtype=tl.int32)
     for first in range(0, B, BLOCK_B):
         ids = first + tl.arange(0, BLOCK_B)
-        ends = tl.load(cu_seqlens_ptr + 1 + ids, mask=ids < B, other=0).to(tl.int32)
+        ends = tl.load(cu_seqlens_ptr + 1 + ids, mask=ids < B, other=0)
         ended = (ends[None, :] <= rows[:, None]) & (ids < B)[None, :]
         owner += tl.sum(ended.to(tl.int32), axis=1)
-    return tl.minimum(owner, B - 1)
+    owner = tl.minimum(owner, B - 1)
+    in_utterance = (rows >= tl.load(cu_seqlens_ptr + owner)) & (rows < tl.load(cu_seqlens_ptr + owner + 1))
+    return owner, in_utterance
 
 
 @triton.jit
@@ -331,10 +342,11 @@ def ctc_gradient_kernel(
     NEG_INF: tl.constexpr = float("-inf")
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     row_ok = rows < T_total
-    owner = _owner_of_rows(rows, cu_seqlens_ptr, B, ROWS, BLOCK_B)
-    L = tl.minimum(tl.maximum(tl.load(target_lengths_ptr + owner).to(tl.int32), 0), U)
-    nll = tl.load(nll_ptr + owner)
-    g = tl.load(grad_loss_ptr + owner * stride_grad_loss).to(nll.dtype)
+    owner, in_utterance = _owner_of_rows(rows, cu_seqlens_ptr, B, ROWS, BLOCK_B)
+    L = _clamp_index(tl.load(target_lengths_ptr + owner), 0, U)
+    # a row outside every utterance gets a zero gradient (nll 0 keeps inf - inf out)
+    nll = tl.where(in_utterance, tl.load(nll_ptr + owner), 0.0)
+    g = tl.where(in_utterance, tl.load(grad_loss_ptr + owner * stride_grad_loss).to(nll.dtype), 0.0)
     if REDUCTION == REDUCTION_MEAN:
         g = g / B / tl.maximum(L, 1).to(nll.dtype)
 
@@ -356,7 +368,7 @@ def ctc_gradient_kernel(
 
     # Pass 2: the target classes and the blank.
     column, lp, total, writes = _label_class_totals(
-        lp_rows, stride_lp_c, tl.zeros((ROWS,), dtype=nll.dtype), row_ok, owner, L, nll, alpha_rows, beta_rows,
+        lp_rows, stride_lp_c, tl.zeros((ROWS,), dtype=nll.dtype), row_ok & in_utterance, owner, L, nll, alpha_rows, beta_rows,
         group_labels_ptr, group_slots_ptr, group_starts_ptr, stride_groups, C, U, blank, BLOCK_K)
     # the last term is 0, or NaN exactly where pass 1 wrote NaN
     value = (tl.exp(lp) * g[:, None] - total * g[:, None]
@@ -390,19 +402,17 @@ def ctc_label_groups_kernel(
     The comparisons are done ``BLOCK_J`` slots at a time against all ``BLOCK_K``.
     """
     b = tl.program_id(0)
-    L = tl.minimum(tl.maximum(tl.load(target_lengths_ptr + b).to(tl.int32), 0), U)
+    L = _clamp_index(tl.load(target_lengths_ptr + b), 0, U)
     target_row = targets_ptr + b.to(tl.int64) * stride_tg_b
     k = tl.arange(0, BLOCK_K)
     in_list = k < U + 1
-    key = tl.load(target_row + k * stride_tg_u, mask=k < L, other=0).to(tl.int32)
-    key = tl.minimum(tl.maximum(key, 0), C - 1)
+    key = _clamp_index(tl.load(target_row + k * stride_tg_u, mask=k < L, other=0), 0, C - 1)
     key = tl.where(k < L, key, tl.where(k == U, blank, C))
     smaller = tl.zeros((BLOCK_K,), dtype=tl.int32)
     equal_before = tl.zeros((BLOCK_K,), dtype=tl.int32)
     for first in range(0, U + 1, BLOCK_J):
         j = first + tl.arange(0, BLOCK_J)
-        other = tl.load(target_row + j * stride_tg_u, mask=j < L, other=0).to(tl.int32)
-        other = tl.minimum(tl.maximum(other, 0), C - 1)
+        other = _clamp_index(tl.load(target_row + j * stride_tg_u, mask=j < L, other=0), 0, C - 1)
         other = tl.where(j < L, other, tl.where(j == U, blank, C))
         counted = (j < U + 1)[None, :]
         smaller += tl.sum(((other[None, :] < key[:, None]) & counted).to(tl.int32), axis=1)
@@ -447,7 +457,7 @@ def ctc_logits_normaliser_kernel(
     local = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     row_ok = local < n_rows
     rows = row_offset + local
-    owner = _owner_of_rows(rows, cu_seqlens_ptr, B, ROWS, BLOCK_B)
+    owner, _ = _owner_of_rows(rows, cu_seqlens_ptr, B, ROWS, BLOCK_B)
     dtype = lse_ptr.dtype.element_ty
     z_rows = logits_ptr + local.to(tl.int64) * stride_lg_t
 
@@ -468,7 +478,7 @@ def ctc_logits_normaliser_kernel(
     k = tl.arange(0, BLOCK_K)
     target_row = targets_ptr + owner.to(tl.int64)[:, None] * stride_tg_b
     ids = tl.load(target_row + k[None, :] * stride_tg_u, mask=row_ok[:, None] & (k < U)[None, :], other=0)
-    ids = tl.minimum(tl.maximum(ids.to(tl.int32), 0), C - 1)
+    ids = _clamp_index(ids, 0, C - 1)
     ids = tl.where((k == U)[None, :], blank, ids)
     in_list = row_ok[:, None] & (k < U + 1)[None, :]
     z = tl.load(z_rows[:, None] + ids * stride_lg_c, mask=in_list, other=0.0).to(dtype)
@@ -513,10 +523,11 @@ def ctc_logits_gradient_kernel(
     local = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     row_ok = local < n_rows
     rows = row_offset + local
-    owner = _owner_of_rows(rows, cu_seqlens_ptr, B, ROWS, BLOCK_B)
-    L = tl.minimum(tl.maximum(tl.load(target_lengths_ptr + owner).to(tl.int32), 0), U)
-    nll = tl.load(nll_ptr + owner)
-    g = tl.load(grad_loss_ptr + owner * stride_grad_loss).to(nll.dtype)
+    owner, in_utterance = _owner_of_rows(rows, cu_seqlens_ptr, B, ROWS, BLOCK_B)
+    L = _clamp_index(tl.load(target_lengths_ptr + owner), 0, U)
+    # a row outside every utterance gets a zero gradient (nll 0 keeps inf - inf out)
+    nll = tl.where(in_utterance, tl.load(nll_ptr + owner), 0.0)
+    g = tl.where(in_utterance, tl.load(grad_loss_ptr + owner * stride_grad_loss).to(nll.dtype), 0.0)
     if REDUCTION == REDUCTION_MEAN:
         g = g / B / tl.maximum(L, 1).to(nll.dtype)
     lse = tl.load(lse_ptr + rows, mask=row_ok, other=0.0)
@@ -535,7 +546,7 @@ def ctc_logits_gradient_kernel(
 
     # The label columns first: their logits must be read before pass 1 may overwrite them.
     column, lp, total, writes = _label_class_totals(
-        z_rows, stride_lg_c, lse, row_ok, owner, L, nll, alpha_rows, beta_rows,
+        z_rows, stride_lg_c, lse, row_ok & in_utterance, owner, L, nll, alpha_rows, beta_rows,
         group_labels_ptr, group_slots_ptr, group_starts_ptr, stride_groups, C, U, blank, BLOCK_K)
     label_value = tl.where(impossible, undefined, (tl.exp(lp) - total) * g[:, None])
     tl.debug_barrier()
