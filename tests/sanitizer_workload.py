@@ -338,7 +338,7 @@ def implicit_reference(R, grad_R):
 
 #: tolerances of R (entries in [0, 1]) and of the gradients (relative to the largest)
 SINKHORN_R_TOL = {torch.float64: 1e-10, torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}
-SINKHORN_GRAD_TOL = {torch.float64: 1e-8, torch.float32: 1e-3, torch.float16: 2e-2, torch.bfloat16: 5e-2}
+SINKHORN_GRAD_TOL = {torch.float64: 1e-8, torch.float32: 1e-4, torch.float16: 3e-3, torch.bfloat16: 1e-2}
 
 
 def _grad_scale(want, grad_R) -> float:
@@ -374,7 +374,9 @@ def sinkhorn(tile_only: bool = False):
 def sinkhorn_case(n, dtype, tokens, tile_only):
     g = generator("sinkhorn", n, str(dtype), tokens)
     tol = SINKHORN_R_TOL[dtype]
-    logits = randn((tokens, n, n), g, dtype, scale=1.5)
+    # peaked enough that 40 iterations have not converged: every iterate shapes the
+    # unrolled gradient (a converged tail would hide a wrong one)
+    logits = randn((tokens, n, n), g, dtype, scale=3.0)
     name = f"sinkhorn n{n} T{tokens} {dtype}"
     # unrolled: 20 iterations from registers at n = 2, 4 and 40 from the scratch buffer
     # (always the scratch at n = 8); checkpoint segments in the tile kernel
@@ -521,9 +523,12 @@ def segment_orders(name, fn, op, inputs, idx, S, tol):
     check(f"{name} out", out, out64, tol)
     for k, (got, want) in enumerate(zip(first, first64)):
         check(f"{name} grad{k}", got, want, tol)
+    # half precision: the first derivatives are rounded before the second differentiates
+    # them, so entries that cancel exactly in float64 keep a rounding of the terms (order 1)
+    floor = 1.0 if out.dtype in (torch.float16, torch.bfloat16) else 0.0
     for k, (got, want, like) in enumerate(zip(second, second64, second_of)):
         zeros = torch.zeros_like(like, dtype=torch.float64)
-        check(f"{name} grad2 {k}", zeros if got is None else got, zeros if want is None else want, tol)
+        check(f"{name} grad2 {k}", zeros if got is None else got, zeros if want is None else want, tol, floor=floor)
 
 
 def segment_layouts():
@@ -569,6 +574,31 @@ def segment():
                             small = segment_api.UNCHECKED[op]
                             segment_orders(f"{name} small chunks", lambda *t: small(*t, idx, S, config=SMALL_CHUNKS),
                                            op, inputs, idx, S, tol)
+        if N:
+            segment_misaligned(layout, idx, S)
+
+
+def segment_misaligned(layout, idx, S):
+    """Rows and ids that start 4 bytes past a 16-byte boundary: the compiled in-order
+    pass then reads them one element at a time instead of in 16-byte vectors."""
+    N = idx.shape[0]
+    g = generator("segment misaligned", layout)
+    for width in (None, 2):
+        shape = (N + 1,) if width is None else (N + 1, width)
+        base = randn(shape, g).requires_grad_()
+        x = base[1:] if width is None else base.view(-1)[width:].view(N, width)
+        ids = torch.cat([idx[:1], idx])[1:]
+        for op in ("sum", "mean"):
+            out = SEGMENT_PUBLIC[op](x, ids, S)
+            w = randn(out.shape, g)
+            (grad,) = torch.autograd.grad((out * w).sum(), base)
+            x64 = base.detach().double().requires_grad_()
+            rows = x64[1:] if width is None else x64.view(-1)[width:].view(N, width)
+            ref = segment_reference(op, [rows], idx, S)
+            (ref_grad,) = torch.autograd.grad((ref * w.double()).sum(), x64)
+            name = f"segment {op} misaligned {layout} N{N}-S{S}-D{width}"
+            check(f"{name} out", out, ref, SEGMENT_TOL[torch.float32])
+            check(f"{name} grad", grad, ref_grad, SEGMENT_TOL[torch.float32])
 
 
 # --------------------------------------------------------------------------------------
@@ -611,7 +641,7 @@ def lstm_configs(hidden):
             (4, 16, RecurrentProduct.TENSOR_CORES, W.STEP_COUNTER, 4, dict(l2_prefetch_steps=8)),
             (4, 4, RecurrentProduct.FOUR_GATES, W.TAGGED_WORDS, 4, {}),
             (2, 1, RecurrentProduct.FOUR_GATES, W.TAGGED_WORDS_PTX, 8, dict(prefetch_steps=2))]:
-        if block_h % k:
+        if block_h % k or block_h // k < 16:  # slices of at least 16 units
             continue
         fast = product != RecurrentProduct.TENSOR_CORES
         cooperative.append(RecurrenceConfig(programs_per_tile=k, rows_per_tile=rows, product=product, wait=wait,
