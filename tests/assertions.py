@@ -1,5 +1,8 @@
-"""Comparison helpers whose failures say what differs and by how much."""
+"""Comparison helpers whose failures say what differs and by how much, and a context in
+which output memory that no kernel writes reads as NaN."""
 from __future__ import annotations
+
+import contextlib
 
 import numpy as np
 import torch
@@ -37,3 +40,21 @@ def assert_close(name: str, actual, expected, *, atol: float, rtol: float) -> No
             f"max abs diff {float(diff.max()):.3e}; RMS relative error {rms_rel:.3e}; "
             f"worst flat index {worst}: got {float(a[worst]):.6e}, expected {float(e[worst]):.6e}"
         )
+
+
+@contextlib.contextmanager
+def unwritten_memory_is_nan():
+    """Inside, every new uninitialised tensor (``torch.empty``, ``new_empty``) is filled
+    with NaN (the largest value for integer dtypes): an output entry that no kernel writes
+    shows up as NaN instead of whatever the allocator held. (PyTorch does this under its
+    deterministic-algorithms mode, which is switched on here and restored after.)"""
+    enabled = torch.are_deterministic_algorithms_enabled()
+    warn_only = torch.is_deterministic_algorithms_warn_only_enabled()
+    fill = torch.utils.deterministic.fill_uninitialized_memory
+    torch.use_deterministic_algorithms(True)
+    torch.utils.deterministic.fill_uninitialized_memory = True
+    try:
+        yield
+    finally:
+        torch.utils.deterministic.fill_uninitialized_memory = fill
+        torch.use_deterministic_algorithms(enabled, warn_only=warn_only)
