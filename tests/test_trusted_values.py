@@ -8,9 +8,8 @@ conversion): utterance ``b`` is frames ``[clamp(cu[b], 0, T_total), clamp(cu[b +
 start_b, T_total))``, its target the first ``clamp(target_lengths[b], 0, U)`` ids of
 ``targets[b]``, each clamped to ``[0, C)``; rows of no utterance get a zero gradient and
 the mean divides by the clamped lengths. The segment operations clamp ``idx`` to
-``[0, num_segments)``. These tests hold both to that
-result, exactly, against references that apply the same clamps to valid-input
-references: the CTC custom ops called directly (what a traced call runs), the segment
+``[0, num_segments)``. These tests hold both to that result, to float64 rounding: the
+float64 NumPy stages run on the clamped values are the references. They call the CTC custom ops directly (what a traced call runs), the segment
 operations under a dispatch mode (which makes a call traced while still running the
 kernels), and one public function of each inside ``torch.compile``.
 """
