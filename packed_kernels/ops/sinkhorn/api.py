@@ -181,11 +181,10 @@ def sinkhorn(logits: torch.Tensor, iters: int = 20, *, backward: str = "implicit
             (non-contiguous input is copied to a contiguous one first).
         iters: number of iterations, from 1 to :data:`MAX_ITERS` (``2**20``). Each
             divides by the column sums (dim -2), then by the row sums (dim -1), after
-            ``exp(logits - column max)``. The bound: the bounds on the sums that let
-            the forward kernels share reciprocals are relied on for at most that many
-            iterations (rounding could drift the iterates past them over many more),
-            and on matrices with positive entries the iterations converge
-            geometrically, so far fewer already reach rounding level.
+            ``exp(logits - column max)``. The bound guards against runaway calls: on
+            matrices with positive entries the iterations converge geometrically, so
+            far fewer already reach rounding level (no bound inside the kernels
+            depends on it).
         backward: ``"implicit"``: gradient of the converged projection (implicit
             function theorem; see :func:`sinkhorn_backward`), or ``"unrolled"``: the
             exact gradient of the ``iters``-step map, by reverse mode with the
@@ -215,6 +214,15 @@ def sinkhorn(logits: torch.Tensor, iters: int = 20, *, backward: str = "implicit
     output keeps the dtype of ``logits``, computed as above. Works on ``meta`` tensors,
     under ``FakeTensorMode``, ``torch.compile(fullgraph=True)`` and ``torch.func.grad``
     (not under ``torch.func.vmap``: the leading dims already batch).
+    Finite logits give finite results, forward and gradients, however widely spread
+    (as long as their differences are finite in the compute dtype): before the first
+    sum the kernels balance ``exp(logits)`` by its row and column maxima (a row far
+    below its column maxima would otherwise have a row sum below the normal range,
+    whose reciprocal overflows), and they absorb the scaling vectors they iterate on
+    into the matrix every few iterations. In float32, entries of ``exp`` far below
+    both their row and their column (by about 87 in the logits, or more) lose
+    precision or vanish; over many iterations such entries can matter, and results
+    then differ from float64's.
     A NaN or ``+inf`` logit makes its own matrix NaN (forward and gradient) and leaves
     the others untouched; ``-inf`` logits are exact zeros as long as every row and
     column keeps a finite entry.

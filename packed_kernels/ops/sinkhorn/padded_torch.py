@@ -39,11 +39,15 @@ import torch
 def sinkhorn_padded(logits: torch.Tensor, iters: int = 20) -> torch.Tensor:
     """``(..., n, n)`` logits -> ``(..., n, n)`` matrices, computed in the input dtype.
 
-    Differentiable by autograd (the gradient of the ``iters``-step map).
+    ``iters >= 1``. Differentiable by autograd (the gradient of the ``iters``-step map).
+    The first iteration is taken in the log domain: its column step is a softmax over
+    dim -2 (``logits - logsumexp``), its row step a softmax over dim -1 of that
+    logarithm. Dividing ``exp(logits - colmax)`` by its sums instead fails where a whole
+    row lies far below its column maxima (its entries and its sum underflow: ``0 / 0``).
+    From then on the rows sum to 1 and every sum lies in ``[1/n, n]``.
     """
-    # The first step normalises columns, so a per-column shift changes nothing.
-    E = torch.exp(logits - logits.amax(dim=-2, keepdim=True))
-    for _ in range(iters):
+    E = torch.softmax(logits - torch.logsumexp(logits, dim=-2, keepdim=True), dim=-1)
+    for _ in range(iters - 1):
         E = E / E.sum(dim=-2, keepdim=True)
         E = E / E.sum(dim=-1, keepdim=True)
     return E

@@ -12,6 +12,18 @@ iterations happen on chip. Two layouts (:class:`Layout`):
   ``n * n`` vectors of ``BLOCK`` tokens, so that a thread owns whole matrices (see the
   section below).
 
+Range. Every kernel starts from the balanced matrix of :func:`_balanced_exp`,
+``K = exp(X - c_j - rho_i)`` (``c_j`` the column maxima, ``rho_i`` the row maxima of
+``X - c``), and the scaling vector ``u0 = exp(rho)``: ``diag(u0) K = exp(X - colmax X)``,
+so the iterates are exactly those of the plain matrix, but every row and every column
+of ``K`` holds an exact 1, and no sum the kernels take falls below the normal range.
+(A row far below its column maxima would otherwise have a row sum below ``2^-126``,
+whose reciprocal overflows.) The tile unrolled backward iterates on the matrix, whose
+sums then stay in ``[1/n, n]``, and carries its gradient in logarithmic form; the
+kernels on the scaling vectors absorb them into the matrix every
+:func:`absorb_period` iterations, which bounds them for any logits and any number of
+iterations.
+
 Launchers (``*_triton``) take contiguous ``(T, n, n)`` tensors of float32, bfloat16,
 float16 (computed in float32) or float64 (computed in float64) and a configuration
 (:func:`forward_config`, :func:`implicit_backward_config`,
@@ -39,9 +51,41 @@ MAX_KERNEL_N = 32
 #: Most iterations the unrolled-backward kernels recompute on chip (their checkpoints
 #: live in registers); :mod:`.api` uses the padded PyTorch stage beyond it.
 MAX_UNROLLED_ITERS = 128
-#: Most iterations :func:`~.api.sinkhorn` takes (it refuses more): the bound behind the
-#: forward's reciprocal pairing (:func:`_pairing_safe`) is used for at most this many.
+#: Most iterations :func:`~.api.sinkhorn` takes (it refuses more): a guard against
+#: runaway calls. No bound of the kernels depends on it (:func:`absorb_period`).
 MAX_ITERS = 1 << 20
+#: ``n^t`` at most this, for ``t`` iterations between absorptions (:func:`absorb_period`)
+_SCALING_RANGE = 2.0 ** 40
+
+
+def absorb_period(n: int) -> int:
+    """Iterations between absorptions of the scaling vectors into the matrix, for ``n x n``.
+
+    The kernels on the scaling vectors hold each iterate as ``E = diag(u) K diag(v)``
+    and every so many iterations absorb the vectors: ``K = E``, ``u = 1``. A block of
+    iterations starts from the balanced matrix of :func:`_balanced_exp` with ``u = u0``
+    or from an absorbed iterate with ``u = 1``; either way every column and row sum of
+    the block's iterates lies in ``[1/n, n]``. (Entries are at most 1; the first column
+    sums are those of ``exp(X - colmax X)``, with a 1 in every column; the balanced
+    matrix has a 1 in every row; and a matrix whose rows, or columns, sum to 1 keeps
+    sums of at least ``1/n`` once divided by sums of at most ``n`` along the other
+    axis.) Each step divides ``v`` by the column sums and ``u`` by the row sums of
+    iterates, so after ``t`` iterations of a block ``u``, ``v`` and the sums
+    ``K^T u``, ``K v`` whose reciprocals the kernels take lie in ``[n^-t, n^t]``. With
+    ``n^t <= 2^40`` a product of two of them (two sums sharing one reciprocal, a
+    ``u_i v_j`` of the unrolled backward) lies within ``2^+-80``: inside float32's
+    normal range, with room for the gradient's own scale, for any logits and any
+    number of iterations. (``u0`` itself may underflow: it only weights the first
+    column sums.) Without absorptions ``u`` and ``v`` keep spreading towards the
+    scaling of the limit, which can need ratios up to that of the largest to the
+    smallest entry: past ``2^64`` within a few dozen iterations on some logits spread
+    over ``+-100``. Returns the largest such ``t`` (64 at most; at ``n = 1`` nothing
+    moves).
+    """
+    t = 0
+    while t < 64 and float(n) ** (t + 1) <= _SCALING_RANGE:
+        t += 1
+    return t
 
 
 @triton.jit
@@ -83,29 +127,38 @@ def _store_tile(ptr, value, offsets, mask, tile_start, num_tokens, n: tl.constex
 
 
 @triton.jit
-def _exp_column_shifted(x, mask):
-    """``exp(x - max over each column)``, exact zeros outside ``mask``.
+def _balanced_exp(x, mask):
+    """``(K, u0)``: ``K = exp(X - c_j - rho_i)``, exact zeros outside ``mask``, and ``u0 = exp(rho)``.
 
+    ``c_j = max_i X_ij`` and ``rho_i = max_j (X_ij - c_j) <= 0``: every entry of ``K`` is
+    at most 1, every row holds an exact 1 (at its maximum) and so does every column (a
+    row holding a column's maximum has ``rho_i = 0``). ``diag(u0) K = exp(X - colmax X)``.
     ``x`` holds 0 outside ``mask`` (so padded lanes compute ``0 - (-inf)``, never
-    ``-inf - (-inf)``); a NaN or ``+inf`` logit still gives NaN in its matrix.
+    ``-inf - (-inf)``); padded rows get ``rho = 0``. A NaN or ``+inf`` logit still gives
+    NaN in its matrix.
     """
     col_max = tl.max(tl.where(mask, x, float("-inf")), axis=1)
-    return tl.exp(tl.where(mask, x - col_max[:, None, :], float("-inf")))
+    shifted = tl.where(mask, x - col_max[:, None, :], float("-inf"))
+    row_max = tl.max(shifted, axis=2)
+    row_max = tl.where(row_max == float("-inf"), 0.0, row_max)
+    return tl.exp(shifted - row_max[:, :, None]), tl.exp(row_max)
 
 
 @triton.jit
-def _sinkhorn_step(E, pad_cols, pad_rows, FAST: tl.constexpr):
-    """One iteration: divide by column sums, then by row sums (by reciprocals).
+def _sinkhorn_step(E, first_col_sum, first, pad, FAST: tl.constexpr):
+    """One iteration on the matrix: divide by column sums, then by row sums (by reciprocals).
 
-    ``pad_cols``/``pad_rows`` mark padded columns/rows, whose zero sums are replaced
-    by 1 so that no ``0 * inf`` appears; a real zero sum still gives NaN, as in the
+    Returns the new matrix and the two sums. ``first``: the column sums are
+    ``first_col_sum``, those of ``diag(u0) E`` (the first step on the balanced matrix of
+    :func:`_balanced_exp`). Padded rows and columns (``pad``) have zero sums, replaced by
+    1 so that no ``0 * inf`` appears; a real zero sum still gives NaN, as in the
     reference.
     """
-    col_sum = tl.where(pad_cols, 1.0, tl.sum(E, axis=1))
+    col_sum = tl.where(first, first_col_sum, tl.where(pad, 1.0, tl.sum(E, axis=1)))
     E = E * _reciprocal(col_sum, FAST)[:, None, :]
-    row_sum = tl.where(pad_rows, 1.0, tl.sum(E, axis=2))
+    row_sum = tl.where(pad, 1.0, tl.sum(E, axis=2))
     E = E * _reciprocal(row_sum, FAST)[:, :, None]
-    return E
+    return E, col_sum, row_sum
 
 
 @triton.jit
@@ -118,31 +171,34 @@ def _pads(tile_start, num_tokens, n: tl.constexpr, N: tl.constexpr, BLOCK: tl.co
 
 @triton.jit
 def sinkhorn_forward_kernel(logits_ptr, out_ptr, num_tokens, iters,
-                            n: tl.constexpr, N: tl.constexpr, BLOCK: tl.constexpr,
+                            n: tl.constexpr, N: tl.constexpr, BLOCK: tl.constexpr, ABSORB: tl.constexpr,
                             FLAT: tl.constexpr, FAST: tl.constexpr, COMPUTE: tl.constexpr):
     """Forward: ``R = S^iters(exp(X - colmax X))`` per token, ``S`` = column then row normalisation.
 
     ``S(E) = D_r^{-1} (E D_c^{-1})`` with ``D_c = diag(colsum E)`` and
-    ``D_r = diag(rowsum(E D_c^{-1}))``. Every iterate is ``diag(u) K diag(v)`` with
-    ``K = exp(X - colmax X)``, so the kernel iterates on the scaling vectors:
-    ``v = 1 / (K^T u)`` (column step), ``u = 1 / (K v)`` (row step), from ``u = 1``,
-    and forms ``R = diag(u) K diag(v)`` once: one multiply-add per entry and
-    half-step instead of a sum and a rescaling of the matrix. Reads ``X`` once,
-    writes ``R`` once.
+    ``D_r = diag(rowsum(E D_c^{-1}))``. Every iterate is ``diag(u) K diag(v)``, so the
+    kernel iterates on the scaling vectors: ``v = 1 / (K^T u)`` (column step),
+    ``u = 1 / (K v)`` (row step), one multiply-add per entry and half-step instead of
+    a sum and a rescaling of the matrix. It starts from the balanced ``K`` and
+    ``u = u0`` of :func:`_balanced_exp` (``diag(u0) K = exp(X - colmax X)``), and every
+    ``ABSORB`` iterations (:func:`absorb_period`) absorbs the scaling vectors,
+    ``K = diag(u) K diag(v)``, ``u = 1``, which keeps them in range; the last
+    absorption is ``R``. Reads ``X`` once, writes ``R`` once.
     """
     tile_start = tl.program_id(0) * BLOCK
     offsets, mask = _tile(tile_start, num_tokens, n, N, BLOCK)
     pad = _pads(tile_start, num_tokens, n, N, BLOCK)
     x = _load_tile(logits_ptr, offsets, mask, tile_start, num_tokens, n, N, BLOCK, FLAT, COMPUTE)
-    K = _exp_column_shifted(x, mask)
-    u = tl.full((BLOCK, N), 1.0, COMPUTE)
+    K, u = _balanced_exp(x, mask)
     v = u
-    for _ in range(iters):
-        # padded rows and columns: sum 0, replaced by 1 (their K entries are 0 anyway)
-        v = _reciprocal(tl.where(pad, 1.0, tl.sum(K * u[:, :, None], axis=1)), FAST)
-        u = _reciprocal(tl.where(pad, 1.0, tl.sum(K * v[:, None, :], axis=2)), FAST)
-    R = K * u[:, :, None] * v[:, None, :]
-    _store_tile(out_ptr, R, offsets, mask, tile_start, num_tokens, n, N, BLOCK, FLAT)
+    for start in range(0, iters, ABSORB):
+        for _ in range(start, tl.minimum(start + ABSORB, iters)):
+            # padded rows and columns: sum 0, replaced by 1 (their K entries are 0 anyway)
+            v = _reciprocal(tl.where(pad, 1.0, tl.sum(K * u[:, :, None], axis=1)), FAST)
+            u = _reciprocal(tl.where(pad, 1.0, tl.sum(K * v[:, None, :], axis=2)), FAST)
+        K = K * u[:, :, None] * v[:, None, :]
+        u = tl.full((BLOCK, N), 1.0, COMPUTE)
+    _store_tile(out_ptr, K, offsets, mask, tile_start, num_tokens, n, N, BLOCK, FLAT)
 
 
 @triton.jit
@@ -152,10 +208,16 @@ def sinkhorn_unrolled_backward_kernel(logits_ptr, grad_ptr, out_ptr, num_tokens,
                                       FAST: tl.constexpr, COMPUTE: tl.constexpr):
     """Exact reverse mode through the ``iters``-step map, forward recomputed on chip.
 
-    Half-step ``Y = X / s`` (``s`` the sums of ``X`` along one axis) has the
-    vector-Jacobian product ``dX = (dY - sum(dY * Y)) / s`` along that axis; a step
-    is a column half-step then a row half-step, and finally ``dlogits = dE0 * E0``
-    (the column-max shift has zero gradient: ``dE0 * E0`` has zero column sums).
+    The gradient is carried in logarithmic form, ``G = dL/dE * E`` (the gradient with
+    respect to ``log E``), which never divides by a sum: a half-step ``Y = X / s``
+    (``s`` the sums of ``X`` along one axis) has ``G_X = G_Y - Y * sum(G_Y)`` along that
+    axis. A step is a column half-step then a row half-step; ``G`` starts as
+    ``dR * R`` and ends as ``dlogits`` (the column-max shift has zero gradient: the
+    last ``G`` has zero column sums). The iterations start from the balanced matrix
+    (:func:`_balanced_exp`), whose first column sums are taken with the weights
+    ``u0``; the row scaling ``u0`` cancels in the first row step, and the reverse
+    multiplies it back into the first row sums so that ``C_1`` is the true first
+    column-normalised iterate.
 
     Reverse mode needs the iterates in reverse order without storing them in memory.
     Checkpoints: iterations are cut into ``num_segs`` segments of ``seg_len``; a first
@@ -171,15 +233,16 @@ def sinkhorn_unrolled_backward_kernel(logits_ptr, grad_ptr, out_ptr, num_tokens,
     pad = _pads(tile_start, num_tokens, n, N, BLOCK)
     x = _load_tile(logits_ptr, offsets, mask, tile_start, num_tokens, n, N, BLOCK, FLAT, COMPUTE)
     G = _load_tile(grad_ptr, offsets, mask, tile_start, num_tokens, n, N, BLOCK, FLAT, COMPUTE)
-    E0 = _exp_column_shifted(x, mask)
+    E, u0 = _balanced_exp(x, mask)
+    first_col_sum = tl.where(pad, 1.0, tl.sum(E * u0[:, :, None], axis=1))
 
     seg_ids = tl.arange(0, SEGS)[None, :, None, None]
     checkpoints = tl.zeros((BLOCK, SEGS, N, N), dtype=COMPUTE)
-    E = E0
     for s in range(num_segs):
         checkpoints = tl.where(seg_ids == s, E[:, None, :, :], checkpoints)
-        for _ in range(s * seg_len, tl.minimum(s * seg_len + seg_len, iters)):
-            E = _sinkhorn_step(E, pad, pad, FAST)
+        for t in range(s * seg_len, tl.minimum(s * seg_len + seg_len, iters)):
+            E, _, _ = _sinkhorn_step(E, first_col_sum, t == 0, pad, FAST)
+    G = G * E
 
     step_ids = tl.arange(0, SEG)[None, :, None]
     for s_back in range(num_segs):
@@ -189,10 +252,9 @@ def sinkhorn_unrolled_backward_kernel(logits_ptr, grad_ptr, out_ptr, num_tokens,
         col_sums = tl.zeros((BLOCK, SEG, N), dtype=COMPUTE)
         row_sums = tl.zeros((BLOCK, SEG, N), dtype=COMPUTE)
         for k in range(count):
-            col_sum = tl.where(pad, 1.0, tl.sum(E, axis=1))
-            E = E * _reciprocal(col_sum, FAST)[:, None, :]
-            row_sum = tl.where(pad, 1.0, tl.sum(E, axis=2))
-            E = E * _reciprocal(row_sum, FAST)[:, :, None]
+            first = s * seg_len + k == 0
+            E, col_sum, row_sum = _sinkhorn_step(E, first_col_sum, first, pad, FAST)
+            row_sum = tl.where(first, row_sum * u0, row_sum)
             col_sums = tl.where(step_ids == k, col_sum[:, None, :], col_sums)
             row_sums = tl.where(step_ids == k, row_sum[:, None, :], row_sums)
         for k_back in range(count):
@@ -200,12 +262,12 @@ def sinkhorn_unrolled_backward_kernel(logits_ptr, grad_ptr, out_ptr, num_tokens,
             col_sum = tl.sum(tl.where(step_ids == k, col_sums, 0.0), axis=1)
             row_sum = tl.sum(tl.where(step_ids == k, row_sums, 0.0), axis=1)
             # row half-step: E = C / row_sum
-            dC = (G - tl.sum(G * E, axis=2)[:, :, None]) * _reciprocal(row_sum, FAST)[:, :, None]
+            G = G - E * tl.sum(G, axis=2)[:, :, None]
             C = E * row_sum[:, :, None]
             # column half-step: C = E_prev / col_sum
-            G = (dC - tl.sum(dC * C, axis=1)[:, None, :]) * _reciprocal(col_sum, FAST)[:, None, :]
+            G = G - C * tl.sum(G, axis=1)[:, None, :]
             E = C * col_sum[:, None, :]
-    _store_tile(out_ptr, G * E0, offsets, mask, tile_start, num_tokens, n, N, BLOCK, FLAT)
+    _store_tile(out_ptr, G, offsets, mask, tile_start, num_tokens, n, N, BLOCK, FLAT)
 
 
 @triton.jit
@@ -337,69 +399,60 @@ def sinkhorn_implicit_backward_kernel(R_ptr, grad_ptr, out_ptr, num_tokens, cg_i
 
 @triton.jit
 def _ones(n: tl.constexpr, ROWS: tl.constexpr, COMPUTE: tl.constexpr):
-    """The scaling vector ``u = 1`` the iterations start from: ``n`` vectors of ``ROWS``."""
+    """The scaling vector ``u = 1`` after an absorption: ``n`` vectors of ``ROWS``."""
     u = ()
     for i in tl.static_range(n):
         u = u + (tl.full((ROWS,), 1.0, COMPUTE),)
     return u
 
 
-#: smallest entry of ``K = exp(X - colmax X)`` for which pairing reciprocals is safe in
-#: float32: every row and column sum of every iterate then lies in ``[kappa, n / kappa]``,
-#: so the product of two sums and its reciprocal stay far inside the normal range
-PAIRING_MIN_ENTRY = tl.constexpr(2.0 ** -50)
-#: most iterations for which that bound is used (rounding could drift it over very many)
-PAIRING_MAX_ITERS = tl.constexpr(MAX_ITERS)
-
-
 @triton.jit
-def _pairing_safe(KA, KB, iters, NN: tl.constexpr):
-    """Whether every token of the tile may share one reciprocal between two sums.
-
-    For ``K`` with entries in ``[kappa, 1]`` and a 1 in every column, the iterates
-    started from ``u = 1`` are sandwiched between multiples of the Sinkhorn scaling
-    (the iteration map is monotone and homogeneous of degree one), which bounds
-    every column sum to ``[kappa, n / kappa]`` and every row sum to
-    ``[kappa, 1 / kappa]``. With ``kappa >= 2^-50`` and ``n <= 8`` a product of two
-    sums lies in ``[2^-100, 2^106]``: no overflow, no flush to zero. Zero entries
-    (logits ``-inf`` or far below their column) fail the test; a NaN token gives
-    NaN on either path.
-    """
-    smallest = KA[0]
-    for k in tl.static_range(1, NN):
-        smallest = tl.minimum(smallest, KA[k])
-    for k in tl.static_range(NN):
-        smallest = tl.minimum(smallest, KB[k])
-    return (tl.min(smallest, axis=0) >= PAIRING_MIN_ENTRY) & (iters <= PAIRING_MAX_ITERS)
-
-
-@triton.jit
-def _iterate_staggered(KA, KB, iters, n: tl.constexpr, HALF: tl.constexpr, FAST: tl.constexpr,
-                       PAIRS: tl.constexpr):
+def _iterate_staggered(KA, KB, u_a, u_b, iters, n: tl.constexpr, HALF: tl.constexpr, ABSORB: tl.constexpr,
+                       FAST: tl.constexpr, PAIRS: tl.constexpr):
     """``iters`` iterations on the scaling vectors of two tokens per thread, token B half
-    an iteration behind token A: ``(u_A, v_A, u_B, v_B)``.
+    an iteration behind token A, from ``u_a``, ``u_b``: the two final iterates.
 
     Each half-step is ``n`` dependent sums (multiply-adds) followed by ``n`` reciprocals
     (special-function unit). With B's sums computed in the same stretch of code as A's
     reciprocals and the other way round, both units have independent work at every
     point of the loop; with the two tokens in step, each warp waits for one unit while
-    the other idles.
+    the other idles. Every ``ABSORB`` iterations both absorb their scaling vectors
+    (``K = diag(u) K diag(v)``, ``u = 1``), which keeps every sum within
+    :func:`absorb_period`'s bound, so ``PAIRS`` pairs of sums may always share one
+    reciprocal.
     """
-    u_a = _ones(n, HALF, KA[0].dtype)
     v_a = u_a
-    u_b = u_a
-    v_b = u_a
-    p_b = _column_sums(KB, u_b, n)
-    for _ in range(iters):
-        p_a = _column_sums(KA, u_a, n)
-        v_b = _reciprocals(p_b, n, FAST, PAIRS)
-        v_a = _reciprocals(p_a, n, FAST, PAIRS)
-        q_b = _row_sums(KB, v_b, n)
-        q_a = _row_sums(KA, v_a, n)
-        u_b = _reciprocals(q_b, n, FAST, PAIRS)
-        u_a = _reciprocals(q_a, n, FAST, PAIRS)
-        p_b = _column_sums(KB, u_b, n)  # (wasted after the last iteration)
-    return u_a, v_a, u_b, v_b
+    v_b = u_b
+    for start in range(0, iters, ABSORB):
+        p_b = _column_sums(KB, u_b, n)
+        for _ in range(start, tl.minimum(start + ABSORB, iters)):
+            p_a = _column_sums(KA, u_a, n)
+            v_b = _reciprocals(p_b, n, FAST, PAIRS)
+            v_a = _reciprocals(p_a, n, FAST, PAIRS)
+            q_b = _row_sums(KB, v_b, n)
+            q_a = _row_sums(KA, v_a, n)
+            u_b = _reciprocals(q_b, n, FAST, PAIRS)
+            u_a = _reciprocals(q_a, n, FAST, PAIRS)
+            p_b = _column_sums(KB, u_b, n)  # (wasted after the block's last iteration)
+        KA = _scaled_entries(u_a, KA, v_a, n)
+        KB = _scaled_entries(u_b, KB, v_b, n)
+        u_a = _ones(n, HALF, KA[0].dtype)
+        u_b = u_a
+    return KA, KB
+
+
+@triton.jit
+def _iterate(K, u, iters, n: tl.constexpr, ROWS: tl.constexpr, ABSORB: tl.constexpr, FAST: tl.constexpr):
+    """``iters`` iterations on the scaling vectors of one token per thread, from ``u``,
+    absorbing them every ``ABSORB`` iterations: the final iterate."""
+    v = u
+    for start in range(0, iters, ABSORB):
+        for _ in range(start, tl.minimum(start + ABSORB, iters)):
+            v = _column_step(K, u, n, FAST)
+            u = _row_step(K, v, n, FAST)
+        K = _scaled_entries(u, K, v, n)
+        u = _ones(n, ROWS, K[0].dtype)
+    return K
 
 
 @triton.jit
@@ -441,43 +494,35 @@ def _store_matrices(ptr, entries, first, num_tokens, NN: tl.constexpr, ROWS: tl.
 @triton.jit
 def sinkhorn_forward_small_kernel(logits_ptr, out_ptr, num_tokens, iters,
                                   n: tl.constexpr, BITS: tl.constexpr, BLOCK: tl.constexpr,
-                                  FAST: tl.constexpr, COMPUTE: tl.constexpr, STAGGER: tl.constexpr,
-                                  PAIRS: tl.constexpr):
+                                  ABSORB: tl.constexpr, FAST: tl.constexpr, COMPUTE: tl.constexpr,
+                                  STAGGER: tl.constexpr, PAIRS: tl.constexpr):
     """Forward for ``n`` in 2, 4, 8, whole matrices in one thread, on the scaling vectors.
 
-    With ``K = exp(X - colmax X)``, every iterate is ``diag(u) K diag(v)``: the column
-    step sets ``v = 1 / (K^T u)``, the row step ``u = 1 / (K v)`` (``u = 1`` at the
-    start), and ``R = diag(u) K diag(v)`` at the end: the same map as the matrix
-    iterations, in ``2 n^2`` multiply-adds and ``2n`` reciprocals per iteration.
+    Every iterate is ``diag(u) K diag(v)``: the column step sets ``v = 1 / (K^T u)``, the
+    row step ``u = 1 / (K v)``, from the balanced ``K`` and ``u = u0`` of
+    :func:`_shifted_exp_entries`, and every ``ABSORB`` iterations the scaling vectors
+    are absorbed, ``K = diag(u) K diag(v)``, ``u = 1`` (:func:`absorb_period`); the
+    last absorption is ``R``. The same map as the matrix iterations, in ``2 n^2``
+    multiply-adds and ``2n`` reciprocals per iteration.
 
     ``STAGGER``: each thread takes two tokens, the second half an iteration behind
     (:func:`_iterate_staggered`), ``BLOCK // 2`` threads a program. ``PAIRS`` (with
     ``STAGGER``): that many pairs of sums per half-step share one reciprocal,
-    ``r = 1 / (ab)``, ``1/a = b r``, ``1/b = a r``, on tiles where
-    :func:`_pairing_safe` says the products cannot leave the normal range (other
-    tiles take plain reciprocals).
+    ``r = 1 / (ab)``, ``1/a = b r``, ``1/b = a r``: between absorptions every sum lies
+    in ``[2^-40, 2^40]``, so the products stay far inside the normal range.
     """
     NN: tl.constexpr = n * n
     ROWS: tl.constexpr = BLOCK // 2 if STAGGER else BLOCK  # tokens per load: each half (A, B) with STAGGER
     first = tl.program_id(0) * BLOCK
-    K_a = _shifted_exp_entries(_load_matrices(logits_ptr, first, num_tokens, NN, ROWS, BITS, COMPUTE), n)
+    u_a, K_a = _shifted_exp_entries(_load_matrices(logits_ptr, first, num_tokens, NN, ROWS, BITS, COMPUTE), n)
     if STAGGER:
-        K_b = _shifted_exp_entries(_load_matrices(logits_ptr, first + ROWS, num_tokens, NN, ROWS, BITS, COMPUTE), n)
-        if PAIRS > 0:
-            if _pairing_safe(K_a, K_b, iters, NN):
-                u_a, v_a, u_b, v_b = _iterate_staggered(K_a, K_b, iters, n, ROWS, FAST, PAIRS)
-            else:
-                u_a, v_a, u_b, v_b = _iterate_staggered(K_a, K_b, iters, n, ROWS, FAST, 0)
-        else:
-            u_a, v_a, u_b, v_b = _iterate_staggered(K_a, K_b, iters, n, ROWS, FAST, 0)
-        _store_matrices(out_ptr, _scaled_entries(u_b, K_b, v_b, n), first + ROWS, num_tokens, NN, ROWS, BITS)
+        u_b, K_b = _shifted_exp_entries(_load_matrices(logits_ptr, first + ROWS, num_tokens, NN, ROWS, BITS, COMPUTE),
+                                        n)
+        R_a, R_b = _iterate_staggered(K_a, K_b, u_a, u_b, iters, n, ROWS, ABSORB, FAST, PAIRS)
+        _store_matrices(out_ptr, R_b, first + ROWS, num_tokens, NN, ROWS, BITS)
     else:
-        u_a = _ones(n, ROWS, COMPUTE)
-        v_a = u_a
-        for _ in range(iters):
-            v_a = _column_step(K_a, u_a, n, FAST)
-            u_a = _row_step(K_a, v_a, n, FAST)
-    _store_matrices(out_ptr, _scaled_entries(u_a, K_a, v_a, n), first, num_tokens, NN, ROWS, BITS)
+        R_a = _iterate(K_a, u_a, iters, n, ROWS, ABSORB, FAST)
+    _store_matrices(out_ptr, R_a, first, num_tokens, NN, ROWS, BITS)
 
 
 @triton.jit
@@ -568,14 +613,27 @@ def sinkhorn_implicit_backward_small_kernel(R_ptr, grad_ptr, out_ptr, num_tokens
 
 @triton.jit
 def _shifted_exp_entries(x, n: tl.constexpr):
-    """``K = exp(X - colmax X)`` of one-token-per-thread entries ``x`` (natural order ``i n + j``)."""
-    K = ()
-    for k in tl.static_range(n * n):
-        col_max = x[k % n]
+    """``(u0, K)`` of :func:`_balanced_exp` for one-token-per-thread entries ``x`` (natural
+    order ``i n + j``): ``K = exp(X - c_j - rho_i)``, ``u0 = exp(rho)``."""
+    col_max = ()
+    for j in tl.static_range(n):
+        m = x[j]
         for i in tl.static_range(1, n):
-            col_max = tl.maximum(col_max, x[i * n + k % n])
-        K = K + (tl.exp(x[k] - col_max),)
-    return K
+            m = tl.maximum(m, x[i * n + j])
+        col_max = col_max + (m,)
+    shifted = ()
+    for k in tl.static_range(n * n):
+        shifted = shifted + (x[k] - col_max[k % n],)
+    K = ()
+    u0 = ()
+    for i in tl.static_range(n):
+        rho = shifted[i * n]
+        for j in tl.static_range(1, n):
+            rho = tl.maximum(rho, shifted[i * n + j])
+        for j in tl.static_range(n):
+            K = K + (tl.exp(shifted[i * n + j] - rho),)
+        u0 = u0 + (tl.exp(rho),)
+    return u0, K
 
 
 @triton.jit
@@ -629,115 +687,180 @@ def _row_step(K, v, n: tl.constexpr, FAST: tl.constexpr):
 
 
 @triton.jit
-def _reverse_start(K, G, u, v, n: tl.constexpr, FAST: tl.constexpr):
-    """Reverse mode through ``R = diag(u_T) K diag(v_T)``: ``(dK, du_T, dv_T)``."""
-    NN: tl.constexpr = n * n
-    dK = ()
-    for k in tl.static_range(NN):
-        dK = dK + (G[k] * u[k // n] * v[k % n],)
-    du = ()
-    for i in tl.static_range(n):
-        acc = dK[i * n] * K[i * n]
-        for j in tl.static_range(1, n):
-            acc += dK[i * n + j] * K[i * n + j]
-        du = du + (acc * _reciprocal(u[i], FAST),)
-    dv_out = ()
-    for j in tl.static_range(n):
-        acc = dK[j] * K[j]
-        for i in tl.static_range(1, n):
-            acc += dK[i * n + j] * K[i * n + j]
-        dv_out = dv_out + (acc * _reciprocal(v[j], FAST),)
-    return dK, du, dv_out
+def _reverse_start(G, R, n: tl.constexpr):
+    """Reverse mode through ``R = diag(u_T) K diag(v_T)`` (a block's absorption), in
+    logarithmic form: ``(Gbar, da_T, db_T)`` with ``Gbar = dR * R`` the gradient with
+    respect to ``log K`` of its direct use, and ``da_T, db_T`` (its row and column sums)
+    those with respect to ``log u_T``, ``log v_T``."""
+    Gbar = ()
+    for k in tl.static_range(n * n):
+        Gbar = Gbar + (G[k] * R[k],)
+    da, db = _log_gradient_sums(Gbar, n)
+    return Gbar, da, db
 
 
 @triton.jit
-def _reverse_step(K, dK, du, u_t, u_prev, v_t, dv_out, n: tl.constexpr, LAST: tl.constexpr):
-    """Reverse mode through iteration ``t``: ``(dK, du_{t-1})`` from ``du_t``.
+def _log_gradient_sums(Gbar, n: tl.constexpr):
+    """Row and column sums of ``Gbar`` (natural order): the gradients with respect to
+    ``log u``, ``log v`` of ``E = diag(u) K diag(v)`` given ``Gbar = dL/dE * E``."""
+    da = ()
+    for i in tl.static_range(n):
+        acc = Gbar[i * n]
+        for j in tl.static_range(1, n):
+            acc += Gbar[i * n + j]
+        da = da + (acc,)
+    db = ()
+    for j in tl.static_range(n):
+        acc = Gbar[j]
+        for i in tl.static_range(1, n):
+            acc += Gbar[i * n + j]
+        db = db + (acc,)
+    return da, db
 
-    ``LAST``: ``t`` is the last iteration, whose ``v_t`` also has the gradient
-    ``dv_out`` from ``R``.
+
+@triton.jit
+def _reverse_step(K, A, da, u_t, u_prev, v_t, db_out, n: tl.constexpr, LAST: tl.constexpr):
+    """Reverse mode through iteration ``t`` of a block: ``(A, da_{t-1})`` from ``da_t``.
+
+    ``da`` is the gradient with respect to ``log u_t`` (the scaling vectors' gradients
+    in logarithmic form, ``du * u``, stay of the order of the gradient of ``R``); ``A``
+    accumulates ``dL/dK`` of the iterations (``dX`` is ``A * K`` plus the direct term).
+    ``LAST``: ``t`` is the block's last iteration, whose ``v_t`` also has the gradient
+    ``db_out`` (logarithmic) from the absorption.
     """
     NN: tl.constexpr = n * n
-    dq = ()
+    dq = ()  # dL/dq of u = 1 / q: -du u^2 = -da u
     for i in tl.static_range(n):
-        dq = dq + (-du[i] * u_t[i] * u_t[i],)
-    dp = ()
+        dq = dq + (-da[i] * u_t[i],)
+    dp = ()  # dL/dp of v = 1 / p, through db = v * (K^T dq) (+ db_out)
     for j in tl.static_range(n):
         acc = K[j] * dq[0]
         for i in tl.static_range(1, n):
             acc += K[i * n + j] * dq[i]
+        db = acc * v_t[j]
         if LAST:
-            acc += dv_out[j]
-        dp = dp + (-acc * v_t[j] * v_t[j],)
-    du_prev = _row_sums(K, dp, n)
-    new_dK = ()
+            db += db_out[j]
+        dp = dp + (-db * v_t[j],)
+    w = _row_sums(K, dp, n)
+    da_prev = ()
+    for i in tl.static_range(n):
+        da_prev = da_prev + (w[i] * u_prev[i],)
+    new_A = ()
     for k in tl.static_range(NN):
-        new_dK = new_dK + (dK[k] + dq[k // n] * v_t[k % n] + u_prev[k // n] * dp[k % n],)
-    return new_dK, du_prev
+        new_A = new_A + (A[k] + dq[k // n] * v_t[k % n] + u_prev[k // n] * dp[k % n],)
+    return new_A, da_prev
 
 
 @triton.jit
-def _store_dx(out_ptr, offsets, mask, dK, K, NN: tl.constexpr, BLOCK: tl.constexpr, BITS: tl.constexpr):
-    """``dX = dK * K`` (the column-max shift has zero gradient), stored as ``[BLOCK, NN]``."""
-    dX = ()
+def _block_log_gradient(Gbar, A, K, n: tl.constexpr):
+    """The gradient with respect to ``log K`` of a block's matrix: ``Gbar + A * K``."""
+    out = ()
+    for k in tl.static_range(n * n):
+        out = out + (Gbar[k] + A[k] * K[k],)
+    return out
+
+
+@triton.jit
+def _zeros(NN: tl.constexpr, BLOCK: tl.constexpr, COMPUTE: tl.constexpr):
+    z = ()
     for k in tl.static_range(NN):
-        dX = dX + (dK[k] * K[k],)
-    tl.store(out_ptr + offsets, join_columns(dX, BLOCK, NN, BITS).to(out_ptr.dtype.element_ty), mask=mask)
+        z = z + (tl.zeros((BLOCK,), dtype=COMPUTE),)
+    return z
+
+
+@triton.jit
+def _select(condition, a, b, n: tl.constexpr):
+    """``a`` where the scalar ``condition`` holds, else ``b`` (tuples of ``n`` vectors)."""
+    out = ()
+    for k in tl.static_range(n):
+        out = out + (tl.where(condition, a[k], b[k]),)
+    return out
 
 
 @triton.jit
 def sinkhorn_unrolled_backward_small_kernel(logits_ptr, grad_ptr, out_ptr, num_tokens,
                                             n: tl.constexpr, BITS: tl.constexpr, ITERS: tl.constexpr,
-                                            BLOCK: tl.constexpr, FAST: tl.constexpr, COMPUTE: tl.constexpr):
+                                            BLOCK: tl.constexpr, ABSORB: tl.constexpr, FAST: tl.constexpr,
+                                            COMPUTE: tl.constexpr):
     """Unrolled backward, one token per thread, for ``n`` = 2, 4 and as many iterations as registers hold.
 
     Reverse mode on the scaling-vector form of the forward (see
-    :func:`sinkhorn_forward_small_kernel`): ``p_t = K^T u_{t-1}``, ``v_t = 1/p_t``,
-    ``q_t = K v_t``, ``u_t = 1/q_t``, ``R = diag(u_T) K diag(v_T)``. With ``dK``
-    accumulating every use of ``K``:
+    :func:`sinkhorn_forward_small_kernel`). Within a block of at most ``ABSORB``
+    iterations on the matrix ``K`` (the balanced matrix, then each block's last
+    iterate), from ``u_0`` (``u0``, then 1): ``p_t = K^T u_{t-1}``, ``v_t = 1/p_t``,
+    ``q_t = K v_t``, ``u_t = 1/q_t``, and the block ends with ``K' = diag(u_T) K diag(v_T)``
+    (the next block's matrix, or ``R``). Gradients are carried in logarithmic form,
+    ``Gbar = dL/dK' * K'`` and ``da = dL/du * u``, which stay of the order of ``dR * R``
+    however small entries of ``K`` are:
 
-    * ``dK = dR * u_T v_T^T``, ``du_T = rowsum(dR * R) / u_T``, ``dv_T = colsum(dR * R) / v_T``;
-    * for ``t = T .. 1``: ``dq = -du_t u_t^2``; ``dv_t += K^T dq``; ``dK += dq v_t^T``;
-      ``dp = -dv_t v_t^2``; ``du_{t-1} = K dp``; ``dK += u_{t-1} dp^T``;
-    * ``dX = dK * K`` (the column-max shift has zero gradient).
+    * ``da_T = rowsum(Gbar)``, ``db_T = colsum(Gbar)``;
+    * for ``t = T .. 1``: ``dq = -da_t u_t``; ``db_t = v_t (K^T dq)`` (``+ db_T`` at
+      ``t = T``); ``dp = -db_t v_t``; ``da_{t-1} = u_{t-1} (K dp)``;
+      ``A += dq v_t^T + u_{t-1} dp^T``;
+    * the block's matrix gets ``Gbar + A * K``, the next ``Gbar`` down; the balanced
+      matrix's is ``dX`` (its shifts have zero gradient; ``u0`` cancels).
 
-    The ``2 ITERS + 1`` scaling vectors (``2n`` numbers per iteration) stay in
-    registers: the iterations are unrolled at compile time (``ITERS`` is a
-    compile-time constant), so nothing but ``X``, ``dR`` and ``dX`` touches memory.
+    Within a block every ``u_i v_j`` is at most ``2^80`` (:func:`absorb_period`), so no
+    term overflows. All scaling vectors (``2n`` numbers per iteration) and the block
+    matrices stay in registers: the iterations are unrolled at compile time
+    (``ITERS`` is a compile-time constant), so nothing but ``X``, ``dR`` and ``dX``
+    touches memory.
     """
     NN: tl.constexpr = n * n
+    BLOCKS: tl.constexpr = (ITERS + ABSORB - 1) // ABSORB
     tok = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     offsets = tok[:, None] * NN + tl.arange(0, NN)[None, :]
     mask = tok[:, None] < num_tokens
     x = split_columns(tl.load(logits_ptr + offsets, mask=mask, other=0.0).to(COMPUTE), BLOCK, NN, BITS)
-    K = _shifted_exp_entries(x, n)
-    u = _ones(n, BLOCK, COMPUTE)
-    us = (u,)  # us[t] = u_t
+    u, K = _shifted_exp_entries(x, n)
+    ones = _ones(n, BLOCK, COMPUTE)
+    Ks = (K,)  # Ks[b]: the matrix of block b
+    us = (u,)  # us[t] = u_t (us[0] = u0)
     vs = ()  # vs[t - 1] = v_t
-    for _ in tl.static_range(ITERS):
+    v = u
+    for t in tl.static_range(ITERS):
+        if t > 0 and t % ABSORB == 0:
+            K = _scaled_entries(u, K, v, n)
+            Ks = Ks + (K,)
+            u = ones
         v = _column_step(K, u, n, FAST)
         u = _row_step(K, v, n, FAST)
         us = us + (u,)
         vs = vs + (v,)
     G = split_columns(tl.load(grad_ptr + offsets, mask=mask, other=0.0).to(COMPUTE), BLOCK, NN, BITS)
-    dK, du, dv_out = _reverse_start(K, G, us[ITERS], v, n, FAST)  # v: the last iteration's
-    for back in tl.static_range(ITERS):
-        dK, du = _reverse_step(K, dK, du, us[ITERS - back], us[ITERS - back - 1], vs[ITERS - back - 1], dv_out,
-                               n, back == 0)
-    _store_dx(out_ptr, offsets, mask, dK, K, NN, BLOCK, BITS)
+    Gbar, da, db_out = _reverse_start(G, _scaled_entries(u, K, v, n), n)
+    for b_back in tl.static_range(BLOCKS):
+        b: tl.constexpr = BLOCKS - 1 - b_back
+        start: tl.constexpr = b * ABSORB
+        count: tl.constexpr = ITERS - start if ITERS - start < ABSORB else ABSORB
+        if b_back > 0:
+            da, db_out = _log_gradient_sums(Gbar, n)
+        A = _zeros(NN, BLOCK, COMPUTE)
+        for back in tl.static_range(count):
+            t: tl.constexpr = start + count - back
+            if t - 1 == start and b > 0:
+                u_prev = ones
+            else:
+                u_prev = us[t - 1]
+            A, da = _reverse_step(Ks[b], A, da, us[t], u_prev, vs[t - 1], db_out, n, back == 0)
+        Gbar = _block_log_gradient(Gbar, A, Ks[b], n)
+    tl.store(out_ptr + offsets, join_columns(Gbar, BLOCK, NN, BITS).to(out_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
-def sinkhorn_unrolled_backward_scratch_kernel(logits_ptr, grad_ptr, out_ptr, scratch_ptr, num_tokens, iters,
-                                              num_tiles, n: tl.constexpr, BITS: tl.constexpr,
-                                              BLOCK: tl.constexpr, FAST: tl.constexpr, COMPUTE: tl.constexpr):
+def sinkhorn_unrolled_backward_scratch_kernel(logits_ptr, grad_ptr, out_ptr, scratch_ptr, checkpoint_ptr,
+                                              num_tokens, iters, num_tiles, n: tl.constexpr, BITS: tl.constexpr,
+                                              BLOCK: tl.constexpr, ABSORB: tl.constexpr, FAST: tl.constexpr,
+                                              COMPUTE: tl.constexpr):
     """The unrolled backward of :func:`sinkhorn_unrolled_backward_small_kernel` for any
     number of iterations, one token per thread, ``u_t`` kept in a scratch buffer.
 
     Where the scaling vectors of every iteration do not fit in registers (``n`` = 8, or
     many iterations), the forward loop (a run-time loop: no unrolling) stores each
     ``u_t`` in this program's slice of ``scratch``, ``(iters + 1, n, BLOCK)`` per
-    program, and the reverse loop reads them back from the newest, recomputing
+    program, and the matrix of every block after the first in its slice of
+    ``checkpoints`` (``(blocks - 1, n * n, BLOCK)``; the balanced matrix stays in
+    registers); the reverse loop reads them back from the newest, recomputing
     ``v_t = 1 / (K^T u_{t-1})`` (the same operations in the same order, so the same
     bits). Programs loop over tiles of ``BLOCK`` tokens, so the scratch is a few MB
     whatever the number of tokens, and stays in L2.
@@ -747,30 +870,55 @@ def sinkhorn_unrolled_backward_scratch_kernel(logits_ptr, grad_ptr, out_ptr, scr
     lanes = tl.arange(0, BLOCK)
     cols = tl.arange(0, NN)
     slot_size = n * BLOCK
+    matrix_size = NN * BLOCK
+    num_blocks = (iters + ABSORB - 1) // ABSORB
     base = scratch_ptr + pid.to(tl.int64) * (iters + 1) * slot_size + lanes
+    # checkpoint b - 1 holds the matrix of block b
+    matrices = checkpoint_ptr + pid.to(tl.int64) * tl.maximum(num_blocks - 1, 1) * matrix_size + lanes
+    ones = _ones(n, BLOCK, COMPUTE)
     for tile in range(pid, num_tiles, tl.num_programs(0)):
         tok = tile * BLOCK + lanes
         offsets = tok[:, None].to(tl.int64) * NN + cols[None, :]
         mask = tok[:, None] < num_tokens
         x = split_columns(tl.load(logits_ptr + offsets, mask=mask, other=0.0).to(COMPUTE), BLOCK, NN, BITS)
-        K = _shifted_exp_entries(x, n)
-        u = _ones(n, BLOCK, COMPUTE)
-        _store_vector(base, u, n, BLOCK)
-        v = u
-        for t in range(iters):
-            v = _column_step(K, u, n, FAST)
-            u = _row_step(K, v, n, FAST)
-            _store_vector(base + (t + 1) * slot_size, u, n, BLOCK)
+        u0, K0 = _shifted_exp_entries(x, n)
+        _store_vector(base, u0, n, BLOCK)
+        K = K0
+        u = u0
+        v = u0
+        for b in range(num_blocks):
+            for t in range(b * ABSORB, tl.minimum(b * ABSORB + ABSORB, iters)):
+                v = _column_step(K, u, n, FAST)
+                u = _row_step(K, v, n, FAST)
+                _store_vector(base + (t + 1) * slot_size, u, n, BLOCK)
+            K = _scaled_entries(u, K, v, n)
+            u = ones
+            if b + 1 < num_blocks:
+                _store_vector(matrices + b * matrix_size, K, NN, BLOCK)
         tl.debug_barrier()  # the reverse loop may read what other threads of the program wrote
         G = split_columns(tl.load(grad_ptr + offsets, mask=mask, other=0.0).to(COMPUTE), BLOCK, NN, BITS)
-        dK, du, dv_out = _reverse_start(K, G, u, v, n, FAST)
-        u_prev = _load_vector(base + (iters - 1) * slot_size, n, BLOCK)
-        dK, du = _reverse_step(K, dK, du, u, u_prev, v, dv_out, n, True)
-        for back in range(1, iters):
-            u_t = u_prev
-            u_prev = _load_vector(base + (iters - 1 - back) * slot_size, n, BLOCK)
-            dK, du = _reverse_step(K, dK, du, u_t, u_prev, _column_step(K, u_prev, n, FAST), dv_out, n, False)
-        _store_dx(out_ptr, offsets, mask, dK, K, NN, BLOCK, BITS)
+        Gbar, da, db_out = _reverse_start(G, K, n)
+        for b_back in range(num_blocks):
+            b = num_blocks - 1 - b_back
+            K = _select(b == 0, K0,
+                        _load_vector_where(matrices + tl.maximum(b - 1, 0) * matrix_size, NN, BLOCK, b > 0), NN)
+            start = b * ABSORB
+            count = tl.minimum(ABSORB, iters - start)
+            # the u entering the block's first iteration: u0, or 1 after an absorption
+            u_start = _select(b == 0, u0, ones, n)
+            if b_back > 0:
+                da, db_out = _log_gradient_sums(Gbar, n)
+            A = _zeros(NN, BLOCK, COMPUTE)
+            u_t = _load_vector(base + (start + count) * slot_size, n, BLOCK)
+            u_prev = _select(count == 1, u_start, _load_vector(base + (start + count - 1) * slot_size, n, BLOCK), n)
+            A, da = _reverse_step(K, A, da, u_t, u_prev, _column_step(K, u_prev, n, FAST), db_out, n, True)
+            for back in range(1, count):
+                u_t = u_prev
+                t = start + count - back  # the iteration whose input u_prev is
+                u_prev = _select(t - 1 == start, u_start, _load_vector(base + (t - 1) * slot_size, n, BLOCK), n)
+                A, da = _reverse_step(K, A, da, u_t, u_prev, _column_step(K, u_prev, n, FAST), db_out, n, False)
+            Gbar = _block_log_gradient(Gbar, A, K, n)
+        tl.store(out_ptr + offsets, join_columns(Gbar, BLOCK, NN, BITS).to(out_ptr.dtype.element_ty), mask=mask)
         tl.debug_barrier()  # the next tile overwrites the scratch
 
 
@@ -785,6 +933,16 @@ def _load_vector(ptrs, n: tl.constexpr, BLOCK: tl.constexpr):
     vec = ()
     for i in tl.static_range(n):
         vec = vec + (tl.load(ptrs + i * BLOCK),)
+    return vec
+
+
+@triton.jit
+def _load_vector_where(ptrs, n: tl.constexpr, BLOCK: tl.constexpr, live):
+    """:func:`_load_vector` where the scalar ``live`` holds, zeros (nothing read) elsewhere."""
+    lanes_live = (tl.zeros((BLOCK,), dtype=tl.int32) + live.to(tl.int32)) != 0
+    vec = ()
+    for i in tl.static_range(n):
+        vec = vec + (tl.load(ptrs + i * BLOCK, mask=lanes_live, other=0.0),)
     return vec
 
 
@@ -828,6 +986,8 @@ class ForwardConfig(LaunchConfig):
     staggered: bool
     #: ``staggered``: pairs of sums per half-step that share one reciprocal
     reciprocal_pairs: int
+    #: iterations between absorptions of the scaling vectors into the matrix (:func:`absorb_period`)
+    absorb_every: int
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -846,6 +1006,9 @@ class UnrolledBackwardConfig(LaunchConfig):
     max_registers: Optional[int]
     #: ``scratch`` on a GPU: programs per SM, each looping over tiles
     scratch_programs_per_sm: int
+    #: ``TOKEN_PER_THREAD``: iterations between absorptions of the scaling vectors into the
+    #: matrix (:func:`absorb_period`); the tile kernel iterates on the matrix itself
+    absorb_every: int
 
 
 def _layout(n: int, layout: Optional[Layout], token_per_thread_possible: bool = True) -> Layout:
@@ -881,7 +1044,7 @@ def forward_config(n: int, dtype: torch.dtype, *, layout: Optional[Layout] = Non
         N = runtime.next_power_of_2(n)
         block = _tile_block(N, 2048)
         return ForwardConfig(layout=layout, block=block, num_warps=_tile_warps(block, N), staggered=False,
-                             reciprocal_pairs=0)
+                             reciprocal_pairs=0, absorb_every=absorb_period(n))
     # at n = 8 a thread's registers hold one token only
     staggered = n in (2, 4)
     block = _token_per_thread_block(n, dtype)
@@ -889,7 +1052,7 @@ def forward_config(n: int, dtype: torch.dtype, *, layout: Optional[Layout] = Non
     # shared reciprocals in float32 only, where one replaces a special-function instruction
     pairs = 1 if staggered and dtype != torch.float64 else 0
     return ForwardConfig(layout=layout, block=block, num_warps=max(1, threads // 32), staggered=staggered,
-                         reciprocal_pairs=pairs)
+                         reciprocal_pairs=pairs, absorb_every=absorb_period(n))
 
 
 @functools.lru_cache(maxsize=None)
@@ -914,7 +1077,7 @@ def unrolled_backward_config(n: int, dtype: torch.dtype, iters: int, *,
         N = runtime.next_power_of_2(n)
         block = _tile_block(N, 512)
         return UnrolledBackwardConfig(layout=layout, block=block, num_warps=_tile_warps(block, N), scratch=False,
-                                      max_registers=None, scratch_programs_per_sm=0)
+                                      max_registers=None, scratch_programs_per_sm=0, absorb_every=absorb_period(n))
     # most iterations whose scaling vectors the registers hold, per n
     scratch = iters > {2: 32, 4: 24, 8: 0}[n]
     block = _token_per_thread_block(n, dtype)
@@ -923,7 +1086,8 @@ def unrolled_backward_config(n: int, dtype: torch.dtype, iters: int, *,
         # a register cap trades a few spills (which stay in cache) for more warps per SM
         block, max_registers = 64, 168
     return UnrolledBackwardConfig(layout=layout, block=block, num_warps=max(1, block // 32), scratch=scratch,
-                                  max_registers=max_registers, scratch_programs_per_sm=8 if scratch else 0)
+                                  max_registers=max_registers, scratch_programs_per_sm=8 if scratch else 0,
+                                  absorb_every=absorb_period(n))
 
 
 def _compute_dtype(dtype: torch.dtype):
@@ -936,8 +1100,8 @@ def _fast(dtype: torch.dtype) -> bool:
 
 def _token_slices(T: int, n: int, max_launch_elements: int):
     """Slices of at most ``max_launch_elements`` elements, starting at multiples of
-    128 tokens: the kernels' tiles then fall where one launch would put them (a tile
-    decides whether it shares reciprocals), and every slice keeps 16-byte alignment."""
+    128 tokens: the kernels' tiles then fall where one launch would put them, and every
+    slice keeps 16-byte alignment."""
     per = max(128, max_launch_elements // (n * n) // 128 * 128)
     return [slice(start, min(T, start + per)) for start in range(0, T, per)]
 
@@ -968,12 +1132,14 @@ def _launch_forward(out, logits, iters, config: ForwardConfig):
     grid = (runtime.cdiv(T, config.block),)
     if config.layout is Layout.TOKEN_PER_THREAD:
         sinkhorn_forward_small_kernel[grid](logits, out, T, iters, n=n, BITS=_bits(n),
-                                            BLOCK=config.block, FAST=_fast(logits.dtype),
+                                            BLOCK=config.block, ABSORB=config.absorb_every,
+                                            FAST=_fast(logits.dtype),
                                             COMPUTE=_compute_dtype(logits.dtype), STAGGER=config.staggered,
                                             PAIRS=config.reciprocal_pairs, num_warps=config.num_warps)
         return
     N = runtime.next_power_of_2(n)
-    sinkhorn_forward_kernel[grid](logits, out, T, iters, n=n, N=N, BLOCK=config.block, FLAT=n == N,
+    sinkhorn_forward_kernel[grid](logits, out, T, iters, n=n, N=N, BLOCK=config.block,
+                                  ABSORB=config.absorb_every, FLAT=n == N,
                                   FAST=_fast(logits.dtype),
                                   COMPUTE=_compute_dtype(logits.dtype),
                                   num_warps=config.num_warps)
@@ -1014,7 +1180,8 @@ def _launch_unrolled_backward(out, logits, grad_R, iters, config: UnrolledBackwa
     grid = (runtime.cdiv(T, config.block),)
     if config.layout is Layout.TOKEN_PER_THREAD:
         sinkhorn_unrolled_backward_small_kernel[grid](logits, grad_R, out, T, n=n, BITS=_bits(n),
-                                                      ITERS=iters, BLOCK=config.block, FAST=_fast(logits.dtype),
+                                                      ITERS=iters, BLOCK=config.block,
+                                                      ABSORB=config.absorb_every, FAST=_fast(logits.dtype),
                                                       COMPUTE=_compute_dtype(logits.dtype),
                                                       num_warps=config.num_warps,
                                                       **runtime.register_cap(config.max_registers))
@@ -1038,9 +1205,12 @@ def _launch_unrolled_backward_scratch(out, logits, grad_R, iters, config: Unroll
         programs = min(num_tiles, runtime.sm_count(logits.device) * config.scratch_programs_per_sm)
     compute = torch.float64 if logits.dtype == torch.float64 else torch.float32
     scratch = torch.empty((programs, iters + 1, n, BLOCK), dtype=compute, device=logits.device)
+    # the matrix of every block after the first (at least one slot, so that the pointer is real)
+    blocks = runtime.cdiv(iters, config.absorb_every)
+    checkpoints = torch.empty((programs, max(blocks - 1, 1), n * n, BLOCK), dtype=compute, device=logits.device)
     sinkhorn_unrolled_backward_scratch_kernel[(programs,)](
-        logits, grad_R, out, scratch, T, iters, num_tiles, n=n, BITS=_bits(n),
-        BLOCK=BLOCK, FAST=_fast(logits.dtype), COMPUTE=_compute_dtype(logits.dtype),
+        logits, grad_R, out, scratch, checkpoints, T, iters, num_tiles, n=n, BITS=_bits(n),
+        BLOCK=BLOCK, ABSORB=config.absorb_every, FAST=_fast(logits.dtype), COMPUTE=_compute_dtype(logits.dtype),
         num_warps=config.num_warps)
 
 
