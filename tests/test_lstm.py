@@ -3,13 +3,15 @@ traced calls: custom ops, torch.compile, meta tensors and FakeTensorMode."""
 import doctest
 import warnings
 
+import numpy as np
 import pytest
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from packed_kernels import Packed, PersistentLSTM, pack, unpack
-from packed_kernels.ops.lstm.api import _config_as_ints, lstm_recurrence_op
+from packed_kernels.ops.lstm.api import _config_as_ints, _config_from_ints, lstm_recurrence_op
+from packed_kernels.ops.lstm.naive_numpy import lstm_layer_numpy
 from packed_kernels.ops.lstm.padded_torch import lstm_padded, lstm_weights
 from packed_kernels.ops.lstm.triton_kernels import RecurrenceConfig, RecurrentProduct, StepWait, choose_config
 
@@ -194,6 +196,59 @@ def test_recurrence_op_passes_opcheck(device):
     torch.library.opcheck(lstm_recurrence_op.custom_op,
                           (xw, w_hh, w_hh_t, h0, c0, row_start, lengths, 1, True, config))
 
+
+
+def test_config_survives_the_custom_op_schema():
+    """A traced call passes its RecurrenceConfig to the custom op as a list of ints: every
+    field, each mode by its own value, comes back."""
+    configs = [
+        RecurrenceConfig(programs_per_tile=4, rows_per_tile=16, product=RecurrentProduct.TENSOR_CORES,
+                         wait=StepWait.STEP_COUNTER, num_warps=8, prefetch_steps=2, l2_prefetch_steps=3,
+                         fast_math=True, tiles_per_program=2),
+        RecurrenceConfig(programs_per_tile=2, rows_per_tile=1, product=RecurrentProduct.FOUR_GATES,
+                         wait=StepWait.TAGGED_WORDS_PTX, tiles_per_program=3),
+        RecurrenceConfig(programs_per_tile=8, rows_per_tile=2, product=RecurrentProduct.ROW_SUMS,
+                         wait=StepWait.TAGGED_WORDS, num_warps=2, l2_prefetch_steps=8),
+        RecurrenceConfig(programs_per_tile=1, rows_per_tile=4, product=RecurrentProduct.FOUR_GATES,
+                         wait=StepWait.CTA_BARRIER),
+    ]
+    for config in configs:
+        ints = _config_as_ints(config)
+        assert all(type(v) is int for v in ints), ints
+        back = _config_from_ints(ints)
+        assert back == config and type(back.product) is RecurrentProduct and type(back.wait) is StepWait, back
+
+def test_recurrence_op_eager_and_custom_op_are_the_numpy_cell(device):
+    """The operator's eager twin and its custom op give the same tensors, each sequence
+    and direction the NumPy cell's (projected inputs as ``x``, ``W_ih = I``); rows no
+    sequence covers stay zero with ``zero_fill``. No gradient, and no ``vmap``."""
+    D, H = 2, 8
+    g = torch.Generator().manual_seed(1)
+    xw = torch.randn(6, D * 4 * H, generator=g)
+    w_hh = torch.randn(D, 4 * H, H, generator=g) * 0.3
+    h0, c0 = torch.randn(D, 2, H, generator=g), torch.randn(D, 2, H, generator=g)
+    row_start, lengths = torch.tensor([0, 3]), torch.tensor([3, 2], dtype=torch.int32)  # row 5: no sequence's
+    config = _config_as_ints(choose_config(2, H, D, torch.device(device), frames=6))
+    w_hh_t = w_hh.view(D, 4, H, H).transpose(2, 3).contiguous()  # read by the FOUR_GATES product only
+    args = [t.to(device) for t in (xw, w_hh, w_hh_t, h0, c0, row_start, lengths)] + [1, True, config]
+    eager, op = lstm_recurrence_op(*args), lstm_recurrence_op.custom_op(*args)
+    for name, a, e in zip(("out", "h_n", "c_n"), eager, op):
+        assert torch.equal(a, e), name
+    out, h_n, c_n = (t.cpu() for t in eager)
+    assert torch.equal(out[5], torch.zeros(D * H))
+    for d in range(D):
+        for b in range(2):
+            rows = slice(int(row_start[b]), int(row_start[b] + lengths[b]))
+            y, (h, c) = lstm_layer_numpy(xw[rows, d * 4 * H:(d + 1) * 4 * H].numpy(), np.eye(4 * H), w_hh[d].numpy(),
+                                         h0=h0[d, b].numpy(), c0=c0[d, b].numpy(), reverse=d == 1)
+            assert_close(f"out[{b}, {d}]", out[rows, d * H:(d + 1) * H], y, atol=ATOL, rtol=RTOL)
+            assert_close(f"h_n[{d}, {b}]", h_n[d, b], h, atol=ATOL, rtol=RTOL)
+            assert_close(f"c_n[{d}, {b}]", c_n[d, b], c, atol=ATOL, rtol=RTOL)
+    needs_grad = [args[0].clone().requires_grad_()] + args[1:]
+    with pytest.raises(RuntimeError, match="packed_kernels::lstm_recurrence has no gradient formula"):
+        lstm_recurrence_op(*needs_grad)[0].sum().backward()
+    with pytest.raises(NotImplementedError, match="does not support torch.func.vmap"):
+        torch.func.vmap(lambda rows: lstm_recurrence_op(rows, *args[1:])[0])(args[0][None])
 
 META_CASES = [
     # (batch_first, unbatched, lengths, with_state)
