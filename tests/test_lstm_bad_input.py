@@ -34,8 +34,8 @@ def _changed_after_wrapping(change, device):
         model(torch.randn(4, 2, 3, device=device, dtype=lstm.weight_ih_l0.dtype))
 
 
-def _call_with_config(fields, device):
-    model = PersistentLSTM.from_torch(torch.nn.LSTM(3, 16).to(device), RecurrenceConfig(**fields))
+def _call_with_config(fields, device, hidden=16):
+    model = PersistentLSTM.from_torch(torch.nn.LSTM(3, hidden).to(device), RecurrenceConfig(**fields))
     with torch.no_grad():
         model(torch.randn(2, 1, 3, device=device))
 
@@ -75,6 +75,10 @@ BAD_MODULES = [
     ("dropout-training", lambda d: _changed_after_wrapping(lambda m: setattr(m, "dropout", 0.5), d), ValueError,
      "dropout", r"dropout=0.5 between layers, which only acts in training mode; call .eval\(\)"),
     ("config-divides", lambda d: _call_with_config(dict(_SINGLE, programs_per_tile=3, wait=StepWait.STEP_COUNTER), d),
+     ValueError, "programs_per_tile", "programs_per_tile=3 must divide the padded hidden size 16"),
+    # hidden sizes are padded to a power of two of at least 16 (the tensor cores' smallest product)
+    ("config-divides-hidden-8",
+     lambda d: _call_with_config(dict(_SINGLE, programs_per_tile=3, wait=StepWait.STEP_COUNTER), d, hidden=8),
      ValueError, "programs_per_tile", "programs_per_tile=3 must divide the padded hidden size 16"),
 ]
 
