@@ -182,13 +182,22 @@ def test_cu_seqlens_from_lengths_bad_input(call, error, argument, expected):
     _refused(call, error, argument, expected)
 
 
-SEGMENT_IDS_BAD = [
+SEGMENT_IDS_FROM_LENGTHS_BAD = [
     ("from_lengths-dtype-float", lambda: segment_ids_from_lengths([1, 2], dtype=torch.float32), TypeError, "dtype",
      "torch.int32 or torch.int64; got torch.float32"),
     ("from_lengths-dtype-int16", lambda: segment_ids_from_lengths([1, 2], dtype=torch.int16), TypeError, "dtype",
      "got torch.int16"),
     ("from_lengths-negative", lambda: segment_ids_from_lengths([1, -2]), ValueError, "lengths", ">= 0"),
     ("from_lengths-float", lambda: segment_ids_from_lengths([1, 2.5]), TypeError, "lengths[1]", "must be an int"),
+]
+
+
+@_table(SEGMENT_IDS_FROM_LENGTHS_BAD)
+def test_segment_ids_from_lengths_bad_input(call, error, argument, expected):
+    _refused(call, error, argument, expected)
+
+
+SEGMENT_IDS_FROM_CU_SEQLENS_BAD = [
     ("from_cu_seqlens-start", lambda: segment_ids_from_cu_seqlens(torch.tensor([1, 2])), ValueError, "cu_seqlens",
      r"start at 0; got cu_seqlens\[0\] = 1"),
     ("from_cu_seqlens-decreasing", lambda: segment_ids_from_cu_seqlens(torch.tensor([0, 3, 2])), ValueError,
@@ -206,8 +215,8 @@ SEGMENT_IDS_BAD = [
 ]
 
 
-@_table(SEGMENT_IDS_BAD)
-def test_segment_ids_bad_input(call, error, argument, expected):
+@_table(SEGMENT_IDS_FROM_CU_SEQLENS_BAD)
+def test_segment_ids_from_cu_seqlens_bad_input(call, error, argument, expected):
     _refused(call, error, argument, expected)
 
 
