@@ -830,14 +830,14 @@ def sinkhorn_unrolled_backward_small_kernel(logits_ptr, grad_ptr, out_ptr, num_t
     G = split_columns(tl.load(grad_ptr + offsets, mask=mask, other=0.0).to(COMPUTE), BLOCK, NN, BITS)
     Gbar, da, db_out = _reverse_start(G, _scaled_entries(u, K, v, n), n)
     for b_back in tl.static_range(BLOCKS):
-        b: tl.constexpr = BLOCKS - 1 - b_back
-        start: tl.constexpr = b * ABSORB
-        count: tl.constexpr = ITERS - start if ITERS - start < ABSORB else ABSORB
+        b = BLOCKS - 1 - b_back
+        start = b * ABSORB
+        count = ITERS - start if ITERS - start < ABSORB else ABSORB
         if b_back > 0:
             da, db_out = _log_gradient_sums(Gbar, n)
         A = _zeros(NN, BLOCK, COMPUTE)
         for back in tl.static_range(count):
-            t: tl.constexpr = start + count - back
+            t = start + count - back
             if t - 1 == start and b > 0:
                 u_prev = ones
             else:
