@@ -105,11 +105,23 @@ def _index_tensor(values, device):
     return torch.tensor(values, dtype=torch.int64 if wide else torch.int32, device=device)
 
 
+def _guarded(t):
+    """``t`` as a contiguous view into a larger buffer whose entries before and after it hold
+    a large value: a kernel that read past either end would see it, and change its result."""
+    flat = t.reshape(-1)
+    buffer = torch.full((flat.numel() + 8,), INT32_MAX, dtype=t.dtype, device=t.device)
+    view = buffer[4:4 + flat.numel()].view(t.shape)
+    view.copy_(t)
+    return view
+
+
 def _ctc_case(name, device):
+    """The case's tensors, the index tensors guarded (see :func:`_guarded`)."""
     T_total, cu, targets, lengths = CTC_CASES[name]
     x = _log_probs(T_total, 5, device)
     targets = torch.tensor(targets, dtype=torch.int64).reshape(len(cu) - 1, 3)
-    return x, _index_tensor(cu, device), targets.to(device), _index_tensor(lengths, device)
+    return (x, _guarded(_index_tensor(cu, device)), _guarded(targets.to(device)),
+            _guarded(_index_tensor(lengths, device)))
 
 
 def _upstream(reduction, B, device):
