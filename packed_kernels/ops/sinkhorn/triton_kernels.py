@@ -807,7 +807,6 @@ def sinkhorn_unrolled_backward_small_kernel(logits_ptr, grad_ptr, out_ptr, num_t
     touches memory.
     """
     NN: tl.constexpr = n * n
-    BLOCKS: tl.constexpr = (ITERS + ABSORB - 1) // ABSORB
     tok = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     offsets = tok[:, None] * NN + tl.arange(0, NN)[None, :]
     mask = tok[:, None] < num_tokens
@@ -829,21 +828,21 @@ def sinkhorn_unrolled_backward_small_kernel(logits_ptr, grad_ptr, out_ptr, num_t
         vs = vs + (v,)
     G = split_columns(tl.load(grad_ptr + offsets, mask=mask, other=0.0).to(COMPUTE), BLOCK, NN, BITS)
     Gbar, da, db_out = _reverse_start(G, _scaled_entries(u, K, v, n), n)
-    for b_back in tl.static_range(BLOCKS):
-        b = BLOCKS - 1 - b_back
-        start = b * ABSORB
-        count = ITERS - start if ITERS - start < ABSORB else ABSORB
-        if b_back > 0:
-            da, db_out = _log_gradient_sums(Gbar, n)
-        A = _zeros(NN, BLOCK, COMPUTE)
-        for back in tl.static_range(count):
-            t = start + count - back
-            if t - 1 == start and b > 0:
-                u_prev = ones
-            else:
-                u_prev = us[t - 1]
-            A, da = _reverse_step(Ks[b], A, da, us[t], u_prev, vs[t - 1], db_out, n, back == 0)
-        Gbar = _block_log_gradient(Gbar, A, Ks[b], n)
+    # Iteration t belongs to block (t - 1) // ABSORB; indices are expressions of the loop
+    # variable, since a name assigned inside static_range is not a compile-time constant.
+    A = _zeros(NN, BLOCK, COMPUTE)
+    for t in tl.static_range(ITERS, 0, -1):
+        if (t - 1) % ABSORB == 0 and t > 1:
+            u_prev = ones
+        else:
+            u_prev = us[t - 1]
+        A, da = _reverse_step(Ks[(t - 1) // ABSORB], A, da, us[t], u_prev, vs[t - 1], db_out, n,
+                              t == ITERS or t % ABSORB == 0)
+        if (t - 1) % ABSORB == 0:  # the block's first iteration: on to the block below
+            Gbar = _block_log_gradient(Gbar, A, Ks[(t - 1) // ABSORB], n)
+            if t > 1:
+                da, db_out = _log_gradient_sums(Gbar, n)
+                A = _zeros(NN, BLOCK, COMPUTE)
     tl.store(out_ptr + offsets, join_columns(Gbar, BLOCK, NN, BITS).to(out_ptr.dtype.element_ty), mask=mask)
 
 
