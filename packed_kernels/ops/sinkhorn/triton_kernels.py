@@ -747,7 +747,10 @@ def _reverse_step(K, A, da, u_t, u_prev, v_t, db_out, n: tl.constexpr, LAST: tl.
         da_prev = da_prev + (w[i] * u_prev[i],)
     new_A = ()
     for k in tl.static_range(NN):
-        new_A = new_A + (A[k] + dq[k // n] * v_t[k % n] + u_prev[k // n] * dp[k % n],)
+        if LAST:  # the block's first step back: A starts here
+            new_A = new_A + (dq[k // n] * v_t[k % n] + u_prev[k // n] * dp[k % n],)
+        else:
+            new_A = new_A + (A[k] + dq[k // n] * v_t[k % n] + u_prev[k // n] * dp[k % n],)
     return new_A, da_prev
 
 
@@ -766,15 +769,6 @@ def _zeros(NN: tl.constexpr, BLOCK: tl.constexpr, COMPUTE: tl.constexpr):
     for k in tl.static_range(NN):
         z = z + (tl.zeros((BLOCK,), dtype=COMPUTE),)
     return z
-
-
-@triton.jit
-def _select(condition, a, b, n: tl.constexpr):
-    """``a`` where the scalar ``condition`` holds, else ``b`` (tuples of ``n`` vectors)."""
-    out = ()
-    for k in tl.static_range(n):
-        out = out + (tl.where(condition, a[k], b[k]),)
-    return out
 
 
 @triton.jit
@@ -857,9 +851,9 @@ def sinkhorn_unrolled_backward_scratch_kernel(logits_ptr, grad_ptr, out_ptr, scr
     Where the scaling vectors of every iteration do not fit in registers (``n`` = 8, or
     many iterations), the forward loop (a run-time loop: no unrolling) stores each
     ``u_t`` in this program's slice of ``scratch``, ``(iters + 1, n, BLOCK)`` per
-    program, and the matrix of every block after the first in its slice of
-    ``checkpoints`` (``(blocks - 1, n * n, BLOCK)``; the balanced matrix stays in
-    registers); the reverse loop reads them back from the newest, recomputing
+    program, and the matrix of every block in its slice of ``checkpoints``
+    (``(blocks, n * n, BLOCK)``: no matrix stays in registers across the two loops);
+    the reverse loop reads them back from the newest, recomputing
     ``v_t = 1 / (K^T u_{t-1})`` (the same operations in the same order, so the same
     bits). Programs loop over tiles of ``BLOCK`` tokens, so the scratch is a few MB
     whatever the number of tokens, and stays in L2.
@@ -872,51 +866,49 @@ def sinkhorn_unrolled_backward_scratch_kernel(logits_ptr, grad_ptr, out_ptr, scr
     matrix_size = NN * BLOCK
     num_blocks = (iters + ABSORB - 1) // ABSORB
     base = scratch_ptr + pid.to(tl.int64) * (iters + 1) * slot_size + lanes
-    # checkpoint b - 1 holds the matrix of block b
-    matrices = checkpoint_ptr + pid.to(tl.int64) * tl.maximum(num_blocks - 1, 1) * matrix_size + lanes
+    matrices = checkpoint_ptr + pid.to(tl.int64) * num_blocks * matrix_size + lanes
     ones = _ones(n, BLOCK, COMPUTE)
     for tile in range(pid, num_tiles, tl.num_programs(0)):
         tok = tile * BLOCK + lanes
         offsets = tok[:, None].to(tl.int64) * NN + cols[None, :]
         mask = tok[:, None] < num_tokens
         x = split_columns(tl.load(logits_ptr + offsets, mask=mask, other=0.0).to(COMPUTE), BLOCK, NN, BITS)
-        u0, K0 = _shifted_exp_entries(x, n)
-        _store_vector(base, u0, n, BLOCK)
-        K = K0
-        u = u0
-        v = u0
+        u, K = _shifted_exp_entries(x, n)
+        _store_vector(base, u, n, BLOCK)
+        v = u
         for b in range(num_blocks):
+            _store_vector(matrices + b * matrix_size, K, NN, BLOCK)
             for t in range(b * ABSORB, tl.minimum(b * ABSORB + ABSORB, iters)):
                 v = _column_step(K, u, n, FAST)
                 u = _row_step(K, v, n, FAST)
                 _store_vector(base + (t + 1) * slot_size, u, n, BLOCK)
             K = _scaled_entries(u, K, v, n)
             u = ones
-            if b + 1 < num_blocks:
-                _store_vector(matrices + b * matrix_size, K, NN, BLOCK)
         tl.debug_barrier()  # the reverse loop may read what other threads of the program wrote
         G = split_columns(tl.load(grad_ptr + offsets, mask=mask, other=0.0).to(COMPUTE), BLOCK, NN, BITS)
         Gbar, da, db_out = _reverse_start(G, K, n)
         for b_back in range(num_blocks):
             b = num_blocks - 1 - b_back
-            K = _select(b == 0, K0,
-                        _load_vector_where(matrices + tl.maximum(b - 1, 0) * matrix_size, NN, BLOCK, b > 0), NN)
+            K = _load_vector(matrices + b * matrix_size, NN, BLOCK)
             start = b * ABSORB
             count = tl.minimum(ABSORB, iters - start)
-            # the u entering the block's first iteration: u0, or 1 after an absorption
-            u_start = _select(b == 0, u0, ones, n)
             if b_back > 0:
                 da, db_out = _log_gradient_sums(Gbar, n)
-            A = _zeros(NN, BLOCK, COMPUTE)
+            # Gbar waits in the block's checkpoint until the block's end (its registers are
+            # needed meanwhile); the barriers: layouts may give a lane to another thread
+            tl.debug_barrier()
+            _store_vector(matrices + b * matrix_size, Gbar, NN, BLOCK)
             u_t = _load_vector(base + (start + count) * slot_size, n, BLOCK)
-            u_prev = _select(count == 1, u_start, _load_vector(base + (start + count - 1) * slot_size, n, BLOCK), n)
-            A, da = _reverse_step(K, A, da, u_t, u_prev, _column_step(K, u_prev, n, FAST), db_out, n, True)
+            # the u entering a block's first iteration: u0 (slot 0), or 1 after an absorption
+            u_prev = _load_scaling(base + (start + count - 1) * slot_size, (count == 1) & (b > 0), n, BLOCK)
+            A, da = _reverse_step(K, K, da, u_t, u_prev, _column_step(K, u_prev, n, FAST), db_out, n, True)
             for back in range(1, count):
                 u_t = u_prev
                 t = start + count - back  # the iteration whose input u_prev is
-                u_prev = _select(t - 1 == start, u_start, _load_vector(base + (t - 1) * slot_size, n, BLOCK), n)
+                u_prev = _load_scaling(base + (t - 1) * slot_size, (t - 1 == start) & (b > 0), n, BLOCK)
                 A, da = _reverse_step(K, A, da, u_t, u_prev, _column_step(K, u_prev, n, FAST), db_out, n, False)
-            Gbar = _block_log_gradient(Gbar, A, K, n)
+            tl.debug_barrier()
+            Gbar = _block_log_gradient(_load_vector(matrices + b * matrix_size, NN, BLOCK), A, K, n)
         tl.store(out_ptr + offsets, join_columns(Gbar, BLOCK, NN, BITS).to(out_ptr.dtype.element_ty), mask=mask)
         tl.debug_barrier()  # the next tile overwrites the scratch
 
@@ -936,12 +928,11 @@ def _load_vector(ptrs, n: tl.constexpr, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _load_vector_where(ptrs, n: tl.constexpr, BLOCK: tl.constexpr, live):
-    """:func:`_load_vector` where the scalar ``live`` holds, zeros (nothing read) elsewhere."""
-    lanes_live = (tl.zeros((BLOCK,), dtype=tl.int32) + live.to(tl.int32)) != 0
+def _load_scaling(ptrs, reset, n: tl.constexpr, BLOCK: tl.constexpr):
+    """:func:`_load_vector`, or ``u = 1`` where the scalar ``reset`` holds (after an absorption)."""
     vec = ()
     for i in tl.static_range(n):
-        vec = vec + (tl.load(ptrs + i * BLOCK, mask=lanes_live, other=0.0),)
+        vec = vec + (tl.where(reset, 1.0, tl.load(ptrs + i * BLOCK)),)
     return vec
 
 
@@ -1204,9 +1195,9 @@ def _launch_unrolled_backward_scratch(out, logits, grad_R, iters, config: Unroll
         programs = min(num_tiles, runtime.sm_count(logits.device) * config.scratch_programs_per_sm)
     compute = torch.float64 if logits.dtype == torch.float64 else torch.float32
     scratch = torch.empty((programs, iters + 1, n, BLOCK), dtype=compute, device=logits.device)
-    # the matrix of every block after the first (at least one slot, so that the pointer is real)
+    # the matrix of every block of absorb_every iterations
     blocks = runtime.cdiv(iters, config.absorb_every)
-    checkpoints = torch.empty((programs, max(blocks - 1, 1), n * n, BLOCK), dtype=compute, device=logits.device)
+    checkpoints = torch.empty((programs, blocks, n * n, BLOCK), dtype=compute, device=logits.device)
     sinkhorn_unrolled_backward_scratch_kernel[(programs,)](
         logits, grad_R, out, scratch, checkpoints, T, iters, num_tiles, n=n, BITS=_bits(n),
         BLOCK=BLOCK, ABSORB=config.absorb_every, FAST=_fast(logits.dtype), COMPUTE=_compute_dtype(logits.dtype),
