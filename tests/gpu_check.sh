@@ -34,6 +34,7 @@
 #   BENCH_OUT=DIR                       where they write (default LOG_DIR/bench; book/results
 #                                       updates the book's recorded results)
 #   WORKERS=4                           pytest processes (with pytest-xdist installed)
+#   PYTEST_ARGS="--durations=20"        more arguments for pytest
 #   PYTHON=python3                      the interpreter
 # Exit status: 0 when every step that ran passed.
 set -uo pipefail
@@ -85,6 +86,7 @@ summarise() {
 }
 
 # step NAME COMMAND...: run COMMAND under the step's timeout, output in LOG_DIR/NAME.log
+# (SIGINT first, so that pytest still prints its summary of failures)
 step() {
   local name=$1
   shift
@@ -93,7 +95,7 @@ step() {
   seconds=$(limit "$name")
   start=$(date +%s)
   echo "== $name (at most ${seconds} s): $*" >&2
-  timeout --kill-after=30 "$seconds" "$@" > "$log" 2>&1
+  timeout -s INT --kill-after=30 "$seconds" "$@" > "$log" 2>&1
   rc=$?
   case $rc in
     0) result=pass ;;
@@ -131,7 +133,7 @@ echo "$environment" | tee "$logs/environment.log" >&2
 if [ "$mode" = single ]; then
   workers=()
   if "$PY" -c "import xdist" > /dev/null 2>&1; then workers=(-n "${WORKERS:-4}"); fi
-  step pytest "$PY" -m pytest tests -q -p no:cacheprovider "${workers[@]}" -o addopts="" -rfE
+  step pytest "$PY" -m pytest tests -q -p no:cacheprovider "${workers[@]}" -o addopts="" -rfE ${PYTEST_ARGS:-}
   step notebooks "$PY" tests/run_notebooks.py book/*.ipynb
   sanitize memcheck memcheck ${MEMCHECK_SIZE:-}
   for section in ${SANITIZE_SECTIONS:-lstm sinkhorn_tile segment ctc}; do
@@ -152,7 +154,7 @@ else
     skipped ddp "needs two GPUs; $gpus visible"
     failed=1
   else
-    step devices "$PY" -m pytest tests/test_devices.py -q -p no:cacheprovider -o addopts="" -rfE
+    step devices "$PY" -m pytest tests/test_devices.py -q -p no:cacheprovider -o addopts="" -rfE ${PYTEST_ARGS:-}
     step ddp "$PY" -m torch.distributed.run --standalone --nproc_per_node 2 examples/ddp_training.py
   fi
 fi
