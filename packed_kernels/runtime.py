@@ -15,6 +15,7 @@ interpreter as well.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import itertools
 import os
@@ -121,3 +122,20 @@ def on_kernel_device(tensor: torch.Tensor) -> bool:
     for the GPU is not: the public functions compute it through their padded PyTorch
     stage instead (the persistent LSTM through the ``nn.LSTM`` it wraps)."""
     return tensor.device.type == KERNEL_DEVICE or tensor.device.type == "meta"
+
+
+def autocast_enabled(device_type: str) -> bool:
+    """Whether autocast is on for ``device_type`` (False for a type without autocast, ``meta``).
+
+    While ``torch.compile`` traces, the tensors live on a device that has autocast, and
+    ``torch.amp.is_autocast_available`` is not traceable by every supported release."""
+    if torch.compiler.is_compiling():
+        return torch.is_autocast_enabled(device_type)
+    return torch.amp.is_autocast_available(device_type) and torch.is_autocast_enabled(device_type)
+
+
+def without_autocast(device_type: str):
+    """A context with autocast off on ``device_type`` (nothing for a type without autocast)."""
+    if torch.compiler.is_compiling() or torch.amp.is_autocast_available(device_type):
+        return torch.autocast(device_type, enabled=False)
+    return contextlib.nullcontext()

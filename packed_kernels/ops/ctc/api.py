@@ -301,11 +301,6 @@ def _padded_stage_loss(log_probs, cu_seqlens, targets, target_lengths, blank, re
     return _reduce(nll, target_lengths, reduction, zero_infinity, targets.shape[1])
 
 
-def _autocast_enabled(device_type: str) -> bool:
-    # torch.is_autocast_enabled raises for device types without autocast (meta)
-    return torch.amp.is_autocast_available(device_type) and torch.is_autocast_enabled(device_type)
-
-
 def packed_ctc_loss(
     log_probs: Tensor,
     cu_seqlens: Tensor,
@@ -367,7 +362,7 @@ def packed_ctc_loss(
         (torch.Size([]), torch.Size([8, 4]))
     """
     blank = _check_arguments(log_probs, cu_seqlens, targets, target_lengths, blank, reduction, zero_infinity)
-    if log_probs.dtype in (torch.float16, torch.bfloat16) and _autocast_enabled(log_probs.device.type):
+    if log_probs.dtype in (torch.float16, torch.bfloat16) and runtime.autocast_enabled(log_probs.device.type):
         log_probs = log_probs.float()
     # the kernels read the offsets and lengths as dense arrays (a strided view is copied once)
     cu_seqlens, target_lengths = cu_seqlens.contiguous(), target_lengths.contiguous()

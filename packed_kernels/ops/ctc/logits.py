@@ -38,7 +38,6 @@ from torch import Tensor
 from ... import runtime, validation
 from ...dispatch import is_traced, operator
 from .api import (
-    _autocast_enabled,
     _check_arguments,
     _check_batch,
     _check_values,
@@ -353,7 +352,7 @@ def _linear_inputs(hidden, weight, bias):
     dtype (float64 stays, as ``F.linear`` does); then the promotion of the three."""
     inputs = [hidden, weight, bias]
     device_type = hidden.device.type
-    if _autocast_enabled(device_type):
+    if runtime.autocast_enabled(device_type):
         low = torch.get_autocast_dtype(device_type)
         inputs = [t if t is None or t.dtype == torch.float64 else t.to(low) for t in inputs]
     dtype = inputs[0].dtype

@@ -10,7 +10,6 @@ for the GPU, many unrolled iterations) run the padded PyTorch stage instead.
 """
 from __future__ import annotations
 
-import contextlib
 from typing import Optional
 
 import torch
@@ -96,13 +95,6 @@ def _forward_backward(ctx, grad_R):
 _forward_op.register_autograd(_forward_backward, setup_context=_forward_setup)
 
 
-def _without_autocast(device_type: str):
-    """Autocast off on ``device_type``: the kernels ignore it, so their padded stand-in does too."""
-    if torch.amp.is_autocast_available(device_type):
-        return torch.autocast(device_type, enabled=False)
-    return contextlib.nullcontext()
-
-
 def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
     """float16 and bfloat16 are computed in float32, as the kernels compute them."""
     return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
@@ -123,7 +115,7 @@ class _PaddedImplicit(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_R):
         (R,) = ctx.saved_tensors
-        with _without_autocast(R.device.type):
+        with runtime.without_autocast(R.device.type):
             return padded_torch.implicit_backward_padded(R, grad_R, ctx.cg_iters), None, None
 
 
@@ -139,7 +131,7 @@ def _sinkhorn_padded_stage(logits: Tensor, iters: int, unrolled: bool, cg_iters:
 def _implicit_backward_padded_stage(R: Tensor, grad_R: Tensor, cg_iters: Optional[int]) -> Tensor:
     """:func:`sinkhorn_backward` on inputs the kernels do not take (not differentiable, as the kernel)."""
     compute = _compute_dtype(R.dtype)
-    with _without_autocast(R.device.type), torch.no_grad():
+    with runtime.without_autocast(R.device.type), torch.no_grad():
         return padded_torch.implicit_backward_padded(R.to(compute), grad_R.to(compute), cg_iters).to(R.dtype)
 
 
