@@ -9,8 +9,9 @@ averaged gradients equal the gradients of one process on the whole batch, then t
 trained encoder runs inference through ``PersistentLSTM`` (eval, no grad) and is checked
 against ``nn.LSTM``. A short table is printed and the exit status is 1 on any mismatch.
 
-Run (two processes; on a GPU machine one GPU per process, NCCL; else CPU and gloo, the
-Triton kernels interpreted)::
+Run (two processes; on a machine with two GPUs one GPU per process and NCCL; with one
+GPU both processes on it and gloo; without a GPU on the CPU with gloo, the Triton kernels
+interpreted)::
 
     torchrun --standalone --nproc_per_node 2 examples/ddp_training.py [--steps N]
 
@@ -149,11 +150,16 @@ def flat_gradients(model: nn.Module) -> torch.Tensor:
 
 def setup() -> Tuple[int, int, torch.device, str]:
     """The process group from torchrun's environment: NCCL with one GPU per rank
-    (``LOCAL_RANK``) where CUDA is available, gloo on the CPU otherwise."""
+    (``LOCAL_RANK``) where there are as many GPUs as ranks; gloo with the ranks sharing
+    the GPUs where there are fewer (NCCL refuses two ranks on one GPU); gloo on the CPU
+    where CUDA is not available."""
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     if torch.cuda.is_available():
-        torch.cuda.set_device(local_rank)
-        device, backend = torch.device("cuda", local_rank), "nccl"
+        gpus = torch.cuda.device_count()
+        torch.cuda.set_device(local_rank % gpus)
+        device = torch.device("cuda", local_rank % gpus)
+        backend = "nccl" if gpus >= local_ranks else "gloo"
         # float32 references: no TF32 in the LSTM or the linear layers
         torch.backends.cuda.matmul.allow_tf32 = False
         torch.backends.cudnn.allow_tf32 = False
