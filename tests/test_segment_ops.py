@@ -202,6 +202,92 @@ def test_empty_segments_are_zero_in_uninitialised_memory(rows_in_order, device):
         assert_close(f"{op} with poisoned memory", out, PADDED[op](x, idx, num_segments), atol=1e-12, rtol=1e-12)
 
 
+def assert_guards_untouched(name, t):
+    """``t`` (an output of a ``poison_outputs`` launch, or a view of one) lies between
+    poisoned guard rows: every element of its storage outside ``t`` must still be NaN."""
+    storage = t.detach().new_empty(0).set_(t.untyped_storage())
+    outside = torch.ones(storage.numel(), dtype=torch.bool)
+    outside[t.storage_offset():t.storage_offset() + t.numel()] = False
+    assert t.is_contiguous() and outside.sum().item() >= 2 * tk.GUARD_ROWS, f"{name}: no guard rows around it"
+    assert storage[outside].isnan().all().item(), f"{name}: a write past either end of the output"
+
+
+#: Leading, interior and length-1 segments; the extra empty segments go after the last.
+END_LENGTHS = [0, 0, 3, 0, 5, 1, 0, 0, 6]
+#: The first passes at chunks of 4 rows (scan) or 4 lanes of 2 rows (in order), with
+#: programs past the last chunk as soon as there are more than 3 empty segments at the
+#: ends, every output poisoned between guard rows.
+ENDS_SMALL = dataclasses.replace(SMALL_CHUNKS, empty_segments_per_program=3, poison_outputs=True)
+#: The default chunks (a single one here), and programs past it at 512 empty segments.
+ENDS_DEFAULT = dataclasses.replace(tk.segment_config(), empty_segments_per_program=512, poison_outputs=True)
+
+
+@pytest.mark.parametrize("trailing", [0, 1, 7, 5000], ids=lambda n: f"trailing{n}")
+@pytest.mark.parametrize("first_pass", ["in-order", "scan"])
+def test_empty_segments_at_the_ends_are_zero(trailing, first_pass, device):
+    """``num_segments = idx[-1] + 1 + trailing``, with two leading and interior empty
+    segments: every reduction (``sum``, ``mean``, ``dot``, ``rms_norm``, and the
+    gradients of ``mul``'s ``y`` and ``matvec``'s ``m``) against the float64 NumPy loops,
+    forward and first gradient, on poisoned outputs between guard rows (a segment no
+    program zeroes reads NaN, a write past either end shows in the guards). Small chunks
+    with many zero-only programs, and the default chunks with thousands of trailing
+    segments over several programs."""
+    rows_in_order = 4 if first_pass == "in-order" else 0
+    idx = make_idx(END_LENGTHS, device)
+    num_segments = len(END_LENGTHS) + trailing
+    configs = [ENDS_SMALL] if trailing < 5000 else [ENDS_DEFAULT]
+    for config in configs:
+        config = dataclasses.replace(config, rows_in_order_max_cols=rows_in_order)
+        for op, width in [("sum", None), ("sum", 3), ("mean", None), ("mean", 3), ("dot", 3),
+                          ("rms_norm", 3), ("mul", 3), ("mul_broadcast", 3), ("matvec", 3)]:
+            inputs = [t.requires_grad_() for t in make_inputs(op, idx.shape[0], num_segments, width,
+                                                              torch.float64, device, seed=len(op) + trailing)]
+            fn = launched_with(config)[op]
+            out = fn(*inputs, idx, num_segments)
+            label = f"{op} {width} trailing {trailing}"
+            assert_close(f"{label} forward", out, numpy_forward(op, inputs, idx, num_segments),
+                         atol=1e-12, rtol=1e-12)
+            if op not in ("mul", "mul_broadcast", "matvec"):
+                assert_guards_untouched(f"{label} forward", out)
+            grad = torch.randn(out.shape, generator=torch.Generator().manual_seed(5), dtype=torch.float64)
+            grads = torch.autograd.grad(out, inputs, grad.to(device))
+            for k, (got, want) in enumerate(zip(grads, numpy_backward(op, inputs, idx, num_segments, grad))):
+                assert_close(f"{label} d/input{k}", got, want, atol=1e-12, rtol=1e-12)
+            if op in ("mul", "mul_broadcast", "matvec"):
+                # the gradient of y or m is the segmented reduction
+                assert_guards_untouched(f"{label} d/input1", grads[1])
+
+
+def test_empty_segments_at_the_ends_take_programs_past_the_last_chunk(device, monkeypatch):
+    """The first pass's grid: its chunks alone while the empty segments at the ends give
+    each at most ``empty_segments_per_program``, else enough programs for that many
+    each (exact counts, both first passes)."""
+    grids = []
+
+    class Recording:
+        def __init__(self, kernel):
+            self.kernel = kernel
+
+        def __getitem__(self, grid):
+            grids.append(grid)
+            return self.kernel[grid]
+
+    for name in ("segment_sum_rows_kernel", "segment_reduce_chunks_kernel"):
+        monkeypatch.setattr(tk, name, Recording(getattr(tk, name)))
+    idx = make_idx([3, 0, 5], device)  # 8 rows: 4 chunks of 2 lanes or 2 rows
+    x = torch.randn(8, dtype=torch.float64, device=device)
+    config = dataclasses.replace(SMALL_CHUNKS, rows_per_thread=1, rows_in_order_threads=2, chunk_elements=2,
+                                 min_chunk_rows=2, empty_segments_per_program=10)
+    for rows_in_order, num_segments, programs in [(4, 3, 4), (4, 40, 4), (4, 41, 5), (4, 1000, 100),
+                                                  (0, 3, 4), (0, 1000, 100)]:
+        grids.clear()
+        config = dataclasses.replace(config, rows_in_order_max_cols=rows_in_order)
+        out = api.UNCHECKED["sum"](x, idx, num_segments, config=config)
+        assert grids[0][0] == programs, (rows_in_order, num_segments, grids)
+        assert_close(f"sum of {num_segments} segments", out, numpy_forward("sum", [x], idx, num_segments),
+                     atol=1e-12, rtol=1e-12)
+
+
 @pytest.mark.parametrize("width", [None, 1, 2, 3, 4], ids=["scalar", "D1", "D2", "D3", "D4"])
 @pytest.mark.parametrize("rows_per_lane, lanes, combine_parts", [(2, 4, 2), (4, 2, 4), (1, 8, 256), (8, 2, 2)],
                          ids=["2x4-parts2", "4x2-parts4", "1x8-parts256", "8x2-parts2"])

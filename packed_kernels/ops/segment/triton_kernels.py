@@ -79,29 +79,58 @@ def _segmented_add_counted(start_a, value_a, count_a, start_b, value_b, count_b)
 
 
 @triton.jit
+def _zero_rows(out_ptr, counts_ptr, fill, fill_ok, cols, col_ok, n_cols, counts_block, WRITE_COUNTS: tl.constexpr):
+    """Zero the output rows ``fill`` (where ``fill_ok``) at columns ``cols``, and their counts
+    in the program of column block ``counts_block == 0`` only."""
+    fill64 = fill.to(tl.int64)
+    tl.store(out_ptr + fill64[:, None] * n_cols + cols[None, :],
+             tl.zeros((fill.shape[0], cols.shape[0]), dtype=out_ptr.dtype.element_ty),
+             mask=fill_ok[:, None] & col_ok[None, :])
+    if WRITE_COUNTS:
+        # (a vector test: the interpreter's store rejects a scalar-and-vector mask)
+        tl.store(counts_ptr + fill64, tl.zeros((fill.shape[0],), dtype=tl.int32),
+                 mask=fill_ok & ((fill * 0 + counts_block) == 0))
+
+
+@triton.jit
 def _zero_empty_segments(out_ptr, counts_ptr, first, end, cols, col_ok, n_cols, counts_block,
                          BLOCK: tl.constexpr, WRITE_COUNTS: tl.constexpr):
     """Zero the output rows (and counts) of segments ``first .. end - 1``, ``BLOCK`` at a time.
 
-    Empty segments must read 0, and no total is ever stored for them: the first passes
-    give every chunk the segments from its first one (exclusive; from 0 in chunk 0) up
-    to the next chunk's first one (exclusive; ``num_segments`` after the last chunk).
-    These ranges are disjoint and cover every segment but the chunks' first ones, which
-    the combine pass always writes. Counts are zeroed by the program of column block
-    ``counts_block == 0`` only.
+    Empty segments must read 0, and no total is ever stored for them. A chunk's share
+    is the segments after its first one up to the next chunk's first one (exclusive;
+    up to its own last one, inclusive, for the last chunk). These ranges are disjoint
+    and cover every segment from ``idx[0]`` to ``idx[N - 1]`` but the chunks' first
+    ones, which the combine pass always writes; the segments before ``idx[0]`` and
+    after ``idx[N - 1]`` are spread over all programs (:func:`_zero_outer_segments`).
     """
     fill_rows = tl.arange(0, BLOCK)
     for start in range(first, end, BLOCK):
         fill = start + fill_rows
-        fill_ok = fill < end
-        fill64 = fill.to(tl.int64)
-        tl.store(out_ptr + fill64[:, None] * n_cols + cols[None, :],
-                 tl.zeros((BLOCK, cols.shape[0]), dtype=out_ptr.dtype.element_ty),
-                 mask=fill_ok[:, None] & col_ok[None, :])
-        if WRITE_COUNTS:
-            # (a vector test: the interpreter's store rejects a scalar-and-vector mask)
-            tl.store(counts_ptr + fill64, tl.zeros((BLOCK,), dtype=tl.int32),
-                     mask=fill_ok & ((fill * 0 + counts_block) == 0))
+        _zero_rows(out_ptr, counts_ptr, fill, fill < end, cols, col_ok, n_cols, counts_block, WRITE_COUNTS)
+
+
+@triton.jit
+def _zero_outer_segments(out_ptr, counts_ptr, idx_ptr, N, num_segments, cols, col_ok, n_cols, counts_block,
+                         BLOCK: tl.constexpr, WRITE_COUNTS: tl.constexpr):
+    """Zero the segments before ``idx[0]`` and after ``idx[N - 1]``, shared by all programs.
+
+    The ``E = idx[0] + (num_segments - 1 - idx[N - 1])`` empty segments at the two ends
+    are numbered ``e = 0 .. E - 1`` (segment ``e`` for ``e < idx[0]``, else
+    ``e + idx[N - 1] + 1 - idx[0]``) and cut into blocks of ``BLOCK``; program ``p`` of
+    ``P`` zeroes blocks ``p, p + P, p + 2P, ...``. So ``num_segments`` far beyond the last
+    index costs one pass of zero stores over many programs (the launcher gives the grid
+    enough programs), and nothing but two loads when there are no such segments.
+    """
+    first_segment = tl.load(idx_ptr)
+    last_segment = tl.load(idx_ptr + N - 1)
+    n_empty = first_segment + (num_segments - 1 - last_segment)
+    skip = last_segment + 1 - first_segment
+    fill_rows = tl.arange(0, BLOCK)
+    for start in range(tl.program_id(0) * BLOCK, n_empty, tl.num_programs(0) * BLOCK):
+        e = start + fill_rows
+        fill = tl.where(e < first_segment, e, e + skip)
+        _zero_rows(out_ptr, counts_ptr, fill, e < n_empty, cols, col_ok, n_cols, counts_block, WRITE_COUNTS)
 
 
 @triton.jit
@@ -132,12 +161,19 @@ def segment_reduce_chunks_kernel(
     and the last run go to the partial buffer, rows ``2 * pid`` and ``2 * pid + 1``
     (the last one is an empty 0 when the chunk holds a single run), with their
     segment ids and row counts; ``segment_reduce_combine_kernel`` finishes them.
-    The program also zeroes its share of the empty segments (``_zero_empty_segments``).
-    Program axis 1 walks blocks of output columns.
+    The program also zeroes its share of the empty segments (``_zero_empty_segments``,
+    ``_zero_outer_segments``); programs past the last chunk do only the latter. Program
+    axis 1 walks blocks of output columns.
     """
     pid = tl.program_id(0)
     col_block = tl.program_id(1)
+    cols = col_block * BLOCK_COLS + tl.arange(0, BLOCK_COLS)
+    col_ok = cols < n_cols
+    _zero_outer_segments(out_ptr, counts_ptr, idx_ptr, N, num_segments, cols, col_ok, n_cols, col_block,
+                         BLOCK_ROWS, WRITE_COUNTS)
     row0 = pid * BLOCK_ROWS
+    if row0 >= N:
+        return  # a program only for the empty segments at the ends
     rows = row0 + tl.arange(0, BLOCK_ROWS)
     in_range = rows < N
     rows64 = rows.to(tl.int64)
@@ -148,8 +184,6 @@ def segment_reduce_chunks_kernel(
     starts = (segment != previous).to(tl.int32)
     ends = (segment != following) & in_range
 
-    cols = col_block * BLOCK_COLS + tl.arange(0, BLOCK_COLS)
-    col_ok = cols < n_cols
     if PROLOGUE == ROW_VALUE:
         value = tl.load(x_ptr + rows64[:, None] * D + cols[None, :],
                         mask=in_range[:, None] & col_ok[None, :], other=0.0).to(ACC_DTYPE)
@@ -194,8 +228,8 @@ def segment_reduce_chunks_kernel(
     # This chunk's share of the empty segments; the barrier orders the zeros before
     # the totals stored below (some land on the same rows).
     next_row = row0 + BLOCK_ROWS
-    next_head = tl.load(idx_ptr + next_row, mask=next_row < N, other=num_segments)
-    _zero_empty_segments(out_ptr, counts_ptr, tl.where(pid == 0, 0, head_segment + 1), next_head,
+    next_head = tl.load(idx_ptr + next_row, mask=next_row < N, other=tail_segment + 1)
+    _zero_empty_segments(out_ptr, counts_ptr, head_segment + 1, next_head,
                          cols, col_ok, n_cols, col_block, BLOCK_ROWS, WRITE_COUNTS)
     tl.debug_barrier()
 
@@ -250,7 +284,7 @@ def segment_sum_rows_kernel(
     EPILOGUE: tl.constexpr, WRITE_COUNTS: tl.constexpr, NEED_COUNTS: tl.constexpr,
     COLS: tl.constexpr, COLS_POW2: tl.constexpr, ROWS_PER_THREAD: tl.constexpr, BITS: tl.constexpr,
     THREADS: tl.constexpr, VECTOR_IDX: tl.constexpr, VECTOR_X: tl.constexpr, ACC_DTYPE: tl.constexpr,
-    FAST_DIVIDE: tl.constexpr,
+    FAST_DIVIDE: tl.constexpr, FILL_BLOCK: tl.constexpr,
 ):
     """First pass of ``sum`` and ``mean`` of narrow rows, each lane walking its rows in order.
 
@@ -273,20 +307,25 @@ def segment_sum_rows_kernel(
     Rows past ``N`` continue the chunk's last run with zeros (and are not counted),
     so they never start a run. The chunk's first and last runs go to the partial
     buffer for :func:`segment_reduce_combine_kernel`, exactly as in the scan kernel.
-    Every sum is taken in the rows' order: deterministic, no atomics.
+    Every sum is taken in the rows' order: deterministic, no atomics. Empty segments
+    are zeroed as in the scan kernel (programs past the last chunk only zero).
     """
     chunk = tl.program_id(0)
     CHUNK: tl.constexpr = THREADS * ROWS_PER_THREAD
+    columns = tl.arange(0, COLS_POW2)
+    _zero_outer_segments(out_ptr, counts_ptr, idx_ptr, N, num_segments, columns, columns < COLS, COLS, 0,
+                         FILL_BLOCK, WRITE_COUNTS)
     row0 = chunk * CHUNK
+    if row0 >= N:
+        return  # a program only for the empty segments at the ends
     lane = tl.arange(0, THREADS)
     base = row0 + lane * ROWS_PER_THREAD
     chunk_end = tl.minimum(row0 + CHUNK, N)
     head_segment = tl.load(idx_ptr + row0)
     tail_segment = tl.load(idx_ptr + chunk_end - 1)
     # This chunk's share of the empty segments, before the totals stored below.
-    next_head = tl.load(idx_ptr + row0 + CHUNK, mask=row0 + CHUNK < N, other=num_segments)
-    columns = tl.arange(0, COLS_POW2)
-    _zero_empty_segments(out_ptr, counts_ptr, tl.where(chunk == 0, 0, head_segment + 1), next_head,
+    next_head = tl.load(idx_ptr + row0 + CHUNK, mask=row0 + CHUNK < N, other=tail_segment + 1)
+    _zero_empty_segments(out_ptr, counts_ptr, head_segment + 1, next_head,
                          columns, columns < COLS, COLS, 0, THREADS, WRITE_COUNTS)
     tl.debug_barrier()
     # Rows past N take the chunk's last segment: they join its last run (with zeros).
@@ -571,6 +610,32 @@ def rms_norm_double_backward_kernel(
     tl.store(grad_r_ptr + offsets, grad_r.to(grad_r_ptr.dtype.element_ty), mask=ok)
 
 
+@triton.jit
+def idx_check_kernel(idx_ptr, facts_ptr, N, BLOCK: tl.constexpr):
+    """What the eager check of ``idx`` needs, in one read of ``idx``: ``facts[0] = idx[0]``,
+    ``facts[1] = idx[N - 1]`` and ``facts[2] = #{i : idx[i] < idx[i - 1]}`` (``facts`` int64,
+    zeroed before the launch).
+
+    A sorted ``idx`` (no descents) is in ``[0, num_segments)`` exactly when its first
+    entry is ``>= 0`` and its last ``< num_segments``, so nothing else is read back. A
+    block adds its descents with an integer atomic only when it has some: the count does
+    not depend on the order of the additions (deterministic), and a valid ``idx`` makes
+    no atomic at all.
+    """
+    pid = tl.program_id(0)
+    rows = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    ok = rows < N
+    has_previous = ok & (rows > 0)
+    value = tl.load(idx_ptr + rows, mask=ok, other=0)
+    previous = tl.load(idx_ptr + rows - 1, mask=has_previous, other=0)
+    descents = tl.sum((has_previous & (value < previous)).to(tl.int64), axis=0)
+    if descents > 0:
+        tl.atomic_add(facts_ptr + 2, descents)
+    if pid == 0:
+        tl.store(facts_ptr, tl.load(idx_ptr).to(tl.int64))
+        tl.store(facts_ptr + 1, tl.load(idx_ptr + N - 1).to(tl.int64))
+
+
 # ---------------------------------------------------------------------------------------
 # Launchers. They take contiguous 2-D tensors on the kernel device; the public functions
 # have validated everything already.
@@ -608,9 +673,15 @@ class SegmentConfig:
     combine_warps: int
     #: Elements per program of the row-wise maps and of ``matvec``.
     rowwise_elements: int
+    #: Most empty segments before ``idx[0]`` and after ``idx[N - 1]`` each program of a
+    #: first pass zeroes: the grid gets programs past the last chunk (that only zero) when
+    #: ``num_segments`` would give its chunks more.
+    empty_segments_per_program: int
     #: A test aid: start the outputs that the first pass fills completely (the empty
     #: segments included) at NaN, and the counts at -7, instead of uninitialised memory,
-    #: so that a row no program writes shows up.
+    #: so that a row no program writes shows up; and place them between
+    #: :data:`GUARD_ROWS` poisoned rows on either side in one allocation, so that a
+    #: write past either end shows up in the tensor's storage.
     poison_outputs: bool
 
 
@@ -629,6 +700,7 @@ def segment_config() -> SegmentConfig:
         combine_back_parts=1024,
         combine_warps=4,
         rowwise_elements=4096,
+        empty_segments_per_program=4096,
         poison_outputs=False,
     )
 
@@ -653,10 +725,17 @@ def _rows_in_order_lanes(N: int, rows_per_thread: int, config: SegmentConfig) ->
     return min(config.rows_in_order_threads, max(2, runtime.next_power_of_2(runtime.cdiv(N, rows_per_thread))))
 
 
+#: Poisoned rows before and after each output of a ``poison_outputs`` launch.
+GUARD_ROWS = 2
+
+
 def _uninitialised(shape, dtype, device, config: SegmentConfig) -> torch.Tensor:
-    """An output that the kernels fill completely (poisoned when ``config`` asks)."""
+    """An output that the kernels fill completely (poisoned, between guard rows, when
+    ``config`` asks)."""
     if config.poison_outputs:
-        return torch.full(shape, -7 if dtype == torch.int32 else float("nan"), dtype=dtype, device=device)
+        guarded = (shape[0] + 2 * GUARD_ROWS,) + tuple(shape[1:])
+        poison = -7 if dtype == torch.int32 else float("nan")
+        return torch.full(guarded, poison, dtype=dtype, device=device)[GUARD_ROWS:GUARD_ROWS + shape[0]]
     return torch.empty(shape, dtype=dtype, device=device)
 
 
@@ -722,22 +801,25 @@ def segment_reduce_triton(x: torch.Tensor, y, idx: torch.Tensor, num_segments: i
     if in_order:
         lanes = _rows_in_order_lanes(N, rows_per_thread, config)
         n_chunks = runtime.cdiv(N, rows_per_thread * lanes)
+    # the first pass's programs: its chunks, and more (that only zero) where the empty
+    # segments at the ends would give each chunk more than its share
+    programs = max(n_chunks, runtime.cdiv(num_segments, config.empty_segments_per_program))
     part_value = torch.empty((2 * n_chunks, n_cols), dtype=acc_torch, device=x.device)
     # Segment ids and row counts of the partials share one allocation (fewer host calls).
     part_segment, part_count = torch.empty((2, 2 * n_chunks), dtype=torch.int32, device=x.device).unbind(0)
     if in_order:
-        segment_sum_rows_kernel[(n_chunks,)](
+        segment_sum_rows_kernel[(programs,)](
             x, idx, out, counts, part_value, part_segment, part_count, N, num_segments,
             EPILOGUE=epilogue, WRITE_COUNTS=write_counts, NEED_COUNTS=write_counts or epilogue != TOTAL.value,
             COLS=n_cols, COLS_POW2=runtime.next_power_of_2(n_cols), ROWS_PER_THREAD=rows_per_thread,
             BITS=rows_per_thread.bit_length() - 1, THREADS=lanes,
             VECTOR_IDX=_vector_loads(idx, rows_per_thread), VECTOR_X=_vector_loads(x, rows_per_thread), ACC_DTYPE=acc,
             # compiled float32: the approximate reciprocal (1 ulp) instead of a division
-            FAST_DIVIDE=not runtime.INTERPRETED and acc == tl.float32,
+            FAST_DIVIDE=not runtime.INTERPRETED and acc == tl.float32, FILL_BLOCK=max(lanes, 64),
             num_warps=max(1, min(16, lanes // 32)), **_register_cap(epilogue, n_cols, x.dtype, config),
         )
     else:
-        segment_reduce_chunks_kernel[(n_chunks, col_blocks)](
+        segment_reduce_chunks_kernel[(programs, col_blocks)](
             x, y_arg, idx, out, counts, part_value, part_segment, part_count,
             N, D, K, n_cols, num_segments,
             PROLOGUE=prologue, EPILOGUE=epilogue, WRITE_COUNTS=write_counts,
@@ -817,6 +899,18 @@ def rms_norm_double_backward_triton(p, g, r, counts):
     return grad_g, grad_r
 
 
+@runtime.on_inputs_device
+def idx_facts_triton(idx: torch.Tensor) -> list:
+    """``[idx[0], idx[-1], number of i with idx[i] < idx[i - 1]]`` of a non-empty 1-D
+    contiguous int32 or int64 ``idx``, read back to the host in one transfer
+    (:func:`idx_check_kernel`)."""
+    N = idx.shape[0]
+    facts = torch.zeros((3,), dtype=torch.int64, device=idx.device)
+    block = min(4096, max(16, runtime.next_power_of_2(N)))
+    idx_check_kernel[(runtime.cdiv(N, block),)](idx, facts, N, BLOCK=block, num_warps=_warps_for(block))
+    return facts.tolist()
+
+
 __all__ = [
     "SegmentConfig",
     "segment_config",
@@ -824,4 +918,5 @@ __all__ = [
     "segment_rowwise_triton",
     "segment_matvec_triton",
     "rms_norm_double_backward_triton",
+    "idx_facts_triton",
 ]
