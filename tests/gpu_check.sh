@@ -29,6 +29,7 @@
 #                                       TIMEOUT_RACECHECK_LSTM=300 (upper case, "-" as "_")
 #   SANITIZE=0                          leave compute-sanitizer out
 #   MEMCHECK_SIZE=--small               the workload's size under memcheck (default: every case),
+#   MEMCHECK_SECTIONS="ctc segment"     the workload sections under memcheck (default: all but sinkhorn_tile)
 #   RACECHECK_SIZE=--quick              and under racecheck and synccheck (default --small)
 #   BENCH=0                             leave the benchmarks out; BENCH_CHAPTERS chooses chapters,
 #   BENCH_OUT=DIR                       where they write (default LOG_DIR/bench; book/results
@@ -135,7 +136,7 @@ if [ "$mode" = single ]; then
   if "$PY" -c "import xdist" > /dev/null 2>&1; then workers=(-n "${WORKERS:-4}"); fi
   step pytest "$PY" -m pytest tests -q -p no:cacheprovider "${workers[@]}" -o addopts="" -rfE ${PYTEST_ARGS:-}
   step notebooks "$PY" tests/run_notebooks.py book/*.ipynb
-  sanitize memcheck memcheck ${MEMCHECK_SIZE:-}
+  sanitize memcheck memcheck ${MEMCHECK_SIZE:-} ${MEMCHECK_SECTIONS:-}
   for section in ${SANITIZE_SECTIONS:-lstm sinkhorn_tile segment ctc}; do
     sanitize racecheck "racecheck-$section" "${RACECHECK_SIZE:---small}" "$section"
     sanitize synccheck "synccheck-$section" "${RACECHECK_SIZE:---small}" "$section"
