@@ -1,9 +1,12 @@
-"""``python -m packed_kernels.bench [all | CHAPTER ...] [--out DIR]``: time every chapter's cases.
+"""``python -m packed_kernels.bench [all | CHAPTER ...] [--out DIR] [--only REGEX]``: time every chapter's cases.
 
 Each provider of each case is timed with ``triton.testing.do_bench`` (median and
 quartiles) in one run, beside its baselines, with its peak memory; the rows, with the
 GPU name, torch and triton versions and the date, go to ``DIR/<chapter>.csv`` and the
-measured copy bandwidth to ``DIR/environment.json``. Needs a CUDA GPU.
+measured copy bandwidth to ``DIR/environment.json``. With ``--only``, just the
+providers whose ``"<workload> k=v ... <provider>"`` matches the regular expression run,
+and their rows replace the same rows of ``DIR/<chapter>.csv`` (the others stay, each
+with its own date). Needs a CUDA GPU.
 """
 from __future__ import annotations
 
@@ -46,6 +49,9 @@ def main(argv=None) -> int:
     parser.add_argument("--out", default=None,
                         help=f"results folder (default: {BOOK_RESULTS} under the current directory, "
                              "which must exist: run from the repository root or name a folder)")
+    parser.add_argument("--only", default=None, metavar="REGEX",
+                        help="time only the providers whose '<workload> k=v ... <provider>' matches "
+                             "REGEX, and merge their rows into the recorded ones")
     args = parser.parse_args(argv)
     chapters = CHAPTERS if "all" in args.chapters else tuple(args.chapters)
     unknown = [c for c in chapters if c not in CHAPTERS]
@@ -63,7 +69,7 @@ def main(argv=None) -> int:
     if not torch.cuda.is_available():
         print("the benchmarks time compiled kernels and need a CUDA GPU; none is visible", file=sys.stderr)
         return 2
-    from .harness import environment, measure_copy_bandwidth, run_cases, write_environment, write_rows
+    from .harness import environment, measure_copy_bandwidth, read_rows, run_cases, select, write_environment, write_rows
 
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
@@ -74,7 +80,11 @@ def main(argv=None) -> int:
     for chapter in chapters:
         module = importlib.import_module(f"packed_kernels.bench.{chapter}")
         path = os.path.join(out, f"{chapter}.csv")
-        rows = run_cases(chapter, module.cases(), bandwidth, env, path=path)
+        if args.only is None:
+            rows = run_cases(chapter, module.cases(), bandwidth, env, path=path)
+        else:
+            rows = run_cases(chapter, select(module.cases(), args.only), bandwidth, env, path=path,
+                             recorded=read_rows(path))
         write_rows(path, rows)
         print(f"wrote {len(rows)} rows to {path}", flush=True)
     return 0

@@ -6,6 +6,7 @@ import datetime as _dt
 import json
 import math
 import os
+import re
 import sys
 import time
 from dataclasses import dataclass, field
@@ -93,15 +94,57 @@ def _time_provider(factory: ProviderFactory) -> Dict[str, float]:
     }
 
 
+def provider_label(case: Case, provider: str) -> str:
+    """``"<workload> k=v ... <provider>"``: what ``--only`` matches and the run prints."""
+    return " ".join([case.workload, *(f"{k}={v}" for k, v in case.params.items()), provider])
+
+
+def select(cases: Iterable[Case], pattern: str) -> List[Case]:
+    """The cases with only the providers whose :func:`provider_label` matches the regular
+    expression ``pattern`` (``re.search``); cases left with no provider are dropped."""
+    regex = re.compile(pattern)
+    chosen = []
+    for case in cases:
+        providers = {name: f for name, f in case.providers.items() if regex.search(provider_label(case, name))}
+        if providers:
+            chosen.append(Case(case.workload, case.params, providers, case.floor_bytes, case.floor_ms, case.notes))
+    return chosen
+
+
+def read_rows(path: str) -> List[Dict[str, Any]]:
+    """The rows of a results file (values as text), or none where there is no file."""
+    if not os.path.exists(path):
+        return []
+    with open(path, newline="") as fh:
+        return list(csv.DictReader(fh))
+
+
+def merge_rows(recorded: List[Dict[str, Any]], new: List[Dict[str, Any]], params: Iterable[str]) -> List[Dict[str, Any]]:
+    """``recorded`` with each row that ``new`` measures again replaced in place (same
+    workload, provider and values of ``params``, compared as text); rows of ``new``
+    measured for the first time come last. Every row keeps its own date and versions."""
+    names = ("workload", "provider", *params)
+
+    def key(row):
+        return tuple("" if row.get(k) is None else str(row.get(k)) for k in names)
+
+    fresh = {key(row): row for row in new}
+    merged = [fresh.pop(key(row), row) for row in recorded]
+    return merged + [row for row in new if key(row) in fresh]
+
+
 def run_cases(
     chapter: str, cases: Iterable[Case], bandwidth: float, env: Dict[str, Any],
-    path: Optional[str] = None,
+    path: Optional[str] = None, recorded: Optional[List[Dict[str, Any]]] = None,
 ) -> List[Dict[str, Any]]:
     """Time every provider of every case; print one line per measurement.
 
     With ``path``, the rows so far are rewritten there after every case, so that an
-    interrupted run keeps what it measured.
+    interrupted run keeps what it measured; with ``recorded`` too, merged into those
+    rows (:func:`merge_rows`) instead of replacing them. Returns what is written.
     """
+    cases = list(cases)
+    params = list(dict.fromkeys(k for case in cases for k in case.params))
     rows: List[Dict[str, Any]] = []
     for case in cases:
         floors = []
@@ -134,8 +177,8 @@ def run_cases(
             print(f"[{chapter}] {case.workload:12s} {label:40s} {provider:22s} {status}"
                   f"  [{time.time() - start:.1f}s]", flush=True)
         if path is not None:
-            write_rows(path, rows)
-    return rows
+            write_rows(path, rows if recorded is None else merge_rows(recorded, rows, params))
+    return rows if recorded is None else merge_rows(recorded, rows, params)
 
 
 def write_rows(path: str, rows: List[Dict[str, Any]]) -> None:

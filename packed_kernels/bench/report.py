@@ -34,13 +34,19 @@ def load_results(chapter: str, results_dir: Optional[str] = None) -> Optional[pd
 
 
 def describe_run(rows: pd.DataFrame) -> str:
-    """One sentence saying where, when and with what the rows were measured."""
-    first = rows.iloc[0]
-    bandwidth = float(first.get("copy_bytes_per_s", float("nan"))) / 1e12
+    """One sentence saying where, when and with what the rows were measured (every date
+    and version among them, where rows were re-measured on another day)."""
+    def values(column):
+        seen = [str(v) for v in rows[column].dropna().unique()] if column in rows else []
+        return " and ".join(sorted(seen)) or "?"
+
+    bandwidths = sorted({float(v) / 1e12 for v in rows["copy_bytes_per_s"].dropna()}) if "copy_bytes_per_s" in rows else []
+    bandwidth = " to ".join(f"{b:.2f}" for b in (bandwidths[0], bandwidths[-1])) if len(bandwidths) > 1 else (
+        f"{bandwidths[0]:.2f}" if bandwidths else "?")
     return (
-        f"Measured on {first['gpu']} on {first['date']} with torch {first['torch']} and "
-        f"triton {first['triton']} (CUDA {first.get('cuda', '?')}); measured copy bandwidth "
-        f"{bandwidth:.2f} TB/s. Times are medians of `triton.testing.do_bench`."
+        f"Measured on {values('gpu')} on {values('date')} with torch {values('torch')} and "
+        f"triton {values('triton')} (CUDA {values('cuda')}); measured copy bandwidth "
+        f"{bandwidth} TB/s. Times are medians of `triton.testing.do_bench`."
     )
 
 

@@ -1,0 +1,48 @@
+"""The benchmark harness's bookkeeping, without a GPU: choosing providers with
+``--only`` and merging re-measured rows into the recorded ones."""
+import pandas as pd
+
+from packed_kernels.bench.harness import Case, merge_rows, provider_label, read_rows, select, write_rows
+from packed_kernels.bench.report import describe_run
+
+
+def _case(workload, **params):
+    return Case(workload, params, {"triton": lambda: None, "torch_loop": lambda: None}, floor_bytes=8.0)
+
+
+def test_select_keeps_only_matching_providers_and_drops_empty_cases():
+    cases = [_case("fwd", n=4, tokens=65536), _case("fwd", n=16, tokens=65536), _case("bwd", n=4, tokens=65536)]
+    assert provider_label(cases[0], "triton") == "fwd n=4 tokens=65536 triton"
+    chosen = select(cases, r"^fwd n=4 .* triton$")
+    assert [(c.workload, c.params, list(c.providers)) for c in chosen] == [("fwd", {"n": 4, "tokens": 65536}, ["triton"])]
+    assert chosen[0].floor_bytes == 8.0
+    assert select(cases, "no such provider") == []
+    assert [len(c.providers) for c in select(cases, "n=16")] == [2]
+
+
+def test_merge_replaces_the_same_rows_in_place_and_appends_new_ones(tmp_path):
+    path = str(tmp_path / "chapter.csv")
+    old = [{"workload": "fwd", "provider": p, "n": n, "ms_p50": 1.0, "date": "2026-12-01"}
+           for n in (4, 16) for p in ("triton", "torch_loop")]
+    write_rows(path, old)
+    recorded = read_rows(path)
+    new = [{"workload": "fwd", "provider": "triton", "n": 16, "ms_p50": 0.5, "date": "2026-12-02"},
+           {"workload": "fwd", "provider": "triton", "n": 32, "ms_p50": 0.7, "date": "2026-12-02"}]
+    merged = merge_rows(recorded, new, ["n"])
+    assert [(str(r["provider"]), str(r["n"]), str(r["date"])) for r in merged] == [
+        ("triton", "4", "2026-12-01"), ("torch_loop", "4", "2026-12-01"),
+        ("triton", "16", "2026-12-02"), ("torch_loop", "16", "2026-12-01"),
+        ("triton", "32", "2026-12-02")]
+    assert merged[2]["ms_p50"] == 0.5
+    # a parameter that tells rows apart must be part of the key
+    assert len(merge_rows(recorded, [dict(new[0], n=4)], ["n"])) == 4
+    assert read_rows(str(tmp_path / "missing.csv")) == []
+
+
+def test_describe_run_names_every_date_of_merged_rows():
+    rows = pd.DataFrame({"gpu": ["H200", "H200"], "date": ["2026-12-02", "2026-12-01"], "torch": ["2.11", "2.11"],
+                         "triton": ["3.6", "3.6"], "cuda": ["13.0", "13.0"], "copy_bytes_per_s": [4.25e12, 4.24e12]})
+    text = describe_run(rows)
+    assert "on 2026-12-01 and 2026-12-02 with torch 2.11" in text
+    assert "4.24 to 4.25 TB/s" in text
+    assert "on 2026-12-01 with" in describe_run(rows.iloc[1:])
