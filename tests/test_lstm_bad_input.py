@@ -45,6 +45,11 @@ def _one_parameter_float64(lstm):
     return lstm
 
 
+def _one_parameter_float32(lstm):
+    lstm.bias_hh_l0.data = lstm.bias_hh_l0.data.float()
+    return lstm
+
+
 _SINGLE = dict(programs_per_tile=1, rows_per_tile=2, product=RecurrentProduct.ROW_SUMS, wait=StepWait.CTA_BARRIER)
 
 #: (id, the call on a device, exception, argument named, the expectation as a pattern)
@@ -60,11 +65,17 @@ BAD_MODULES = [
     ("hidden_size-513", lambda d: PersistentLSTM.from_torch(torch.nn.LSTM(3, 513)), ValueError, "hidden_size",
      "hidden_size=513 is not supported.* up to 512"),
     ("float64", lambda d: PersistentLSTM.from_torch(torch.nn.LSTM(3, 8).double()), TypeError, "weight_ih_l0",
-     "must be float32; got weight_ih_l0 of dtype torch.float64"),
-    ("bfloat16", lambda d: PersistentLSTM.from_torch(torch.nn.LSTM(3, 8).bfloat16()), TypeError, "weight_ih_l0",
-     "torch.bfloat16"),
+     "must be float32, float16 or bfloat16; got weight_ih_l0 of dtype torch.float64"),
     ("one-parameter-float64", lambda d: PersistentLSTM.from_torch(_one_parameter_float64(torch.nn.LSTM(3, 8))),
-     TypeError, "bias_hh_l0", "must be float32; got bias_hh_l0 of dtype torch.float64"),
+     TypeError, "bias_hh_l0", "must be float32, float16 or bfloat16; got bias_hh_l0 of dtype torch.float64"),
+    ("float16-with-one-float32",
+     lambda d: PersistentLSTM.from_torch(_one_parameter_float32(torch.nn.LSTM(3, 8).half())), TypeError,
+     "bias_hh_l0", "must all have one dtype; got weight_ih_l0 of dtype torch.float16 and bias_hh_l0 of dtype "
+     "torch.float32"),
+    ("changed-to-mixed", lambda d: _changed_after_wrapping(
+        lambda m: setattr(m.weight_hh_l1, "data", m.weight_hh_l1.data.bfloat16()), d), TypeError,
+     "weight_hh_l1", "must all have one dtype; got weight_ih_l0 of dtype torch.float32 and weight_hh_l1 of dtype "
+     "torch.bfloat16"),
     ("config-dict", lambda d: PersistentLSTM.from_torch(torch.nn.LSTM(3, 8), dict(_SINGLE)), TypeError, "config",
      "must be a RecurrenceConfig or None; got dict"),
     ("config-name", lambda d: PersistentLSTM(torch.nn.LSTM(3, 8), "ROW_SUMS"), TypeError, "config", "got str"),
@@ -91,9 +102,11 @@ def test_unsupported_modules_and_configs_are_refused(device, call, error, argume
 
 
 def test_the_largest_supported_module_is_accepted():
-    """The limits themselves are allowed: hidden_size 512, proj_size 0, a one-layer module
-    with dropout (nn.LSTM applies dropout between layers only)."""
-    for lstm in (torch.nn.LSTM(3, 512), torch.nn.LSTM(3, 8, proj_size=0), torch.nn.LSTM(3, 8, bias=False)):
+    """The limits themselves are allowed: hidden_size 512 (float32 and float16), proj_size
+    0, float16 and bfloat16 parameters, a one-layer module with dropout (nn.LSTM applies
+    dropout between layers only)."""
+    for lstm in (torch.nn.LSTM(3, 512), torch.nn.LSTM(3, 512).half(), torch.nn.LSTM(3, 8, proj_size=0),
+                 torch.nn.LSTM(3, 8, bias=False), torch.nn.LSTM(3, 8).bfloat16()):
         assert PersistentLSTM.from_torch(lstm).lstm is lstm
     with pytest.warns(UserWarning, match="dropout"):
         one_layer = torch.nn.LSTM(3, 8, dropout=0.5)
@@ -217,3 +230,54 @@ def test_bad_calls_are_refused_naming_the_argument(device, grad, make, error, ar
     kwargs = {"lengths": arguments.pop("lengths")} if "lengths" in arguments else {}
     with torch.set_grad_enabled(grad):
         assert_refused(error, argument, expected, lambda: model(arguments["input"], arguments.get("hx"), **kwargs))
+
+
+# ----------------------------------------------------------------------------------------
+# A float16 or bfloat16 module: inputs and states of its own dtype (outside autocast)
+
+
+#: (id, arguments from the device and the module's dtype, argument named, what the message says)
+BAD_HALF_CALLS = [
+    ("input-float32", lambda d, m: {"input": torch.randn(2, 4, 3, device=d)}, "input", "must be {m}; got torch.float32"),
+    ("input-other-half", lambda d, m: {"input": torch.randn(2, 4, 3, device=d).to(
+        torch.bfloat16 if m == "float16" else torch.float16)}, "input", "must be {m}; got torch.(b?float16)"),
+    ("h0-float32", lambda d, m: {"hx": (torch.zeros(4, 2, 8, device=d),
+                                         torch.zeros(4, 2, 8, device=d, dtype=getattr(torch, m)))},
+     "h0", "must be {m}; got torch.float32"),
+    ("c0-float32", lambda d, m: {"hx": (torch.zeros(4, 2, 8, device=d, dtype=getattr(torch, m)),
+                                         torch.zeros(4, 2, 8, device=d))},
+     "c0", "must be {m}; got torch.float32"),
+    ("packed-data-float32", lambda d, m: {"input": pack(torch.randn(2, 4, 3, device=d), [4, 2])}, "packed.data",
+     "must be {m}; got torch.float32"),
+    ("sequence-float32", lambda d, m: {"input": pack_padded_sequence(torch.randn(2, 4, 3, device=d), [4, 2],
+                                                                     batch_first=True)},
+     "input.data", "must be {m}; got torch.float32"),
+]
+
+
+@pytest.mark.parametrize("grad", [False, True], ids=["kernels", "nn.LSTM"])
+@pytest.mark.parametrize("module_dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("make,argument,expected", [case[1:] for case in BAD_HALF_CALLS],
+                         ids=[case[0] for case in BAD_HALF_CALLS])
+def test_mixed_dtypes_are_refused_naming_the_argument(device, grad, module_dtype, make, argument, expected):
+    """A float16 or bfloat16 module takes only its own dtype (nn.LSTM itself would run some
+    of these mixes, or fail inside): a TypeError naming the argument, on either path."""
+    model = PersistentLSTM.from_torch(make_lstm(3, 8, 2, True, device=device, dtype=getattr(torch, module_dtype)))
+    arguments = {"input": torch.randn(2, 4, 3, device=device, dtype=getattr(torch, module_dtype)),
+                 **make(device, module_dtype)}
+    with torch.set_grad_enabled(grad):
+        assert_refused(TypeError, argument, expected.format(m=module_dtype),
+                       lambda: model(arguments["input"], arguments.get("hx")))
+
+
+def test_a_module_made_float16_after_wrapping_takes_float16():
+    """The dtype is the module's at each call: made float16 after wrapping, a float32
+    input is refused and a float16 one runs."""
+    lstm = make_lstm(3, 8, 1, True)
+    model = PersistentLSTM.from_torch(lstm)
+    lstm.half()
+    with torch.no_grad():
+        assert_refused(TypeError, "input", "must be float16; got torch.float32",
+                       lambda: model(torch.randn(2, 4, 3)))
+        y, (h, c) = model(torch.randn(2, 4, 3).half())
+    assert y.dtype == h.dtype == c.dtype == torch.float16

@@ -44,6 +44,9 @@ TENSOR_CORE_PROJECTION_MIN_K = 128
 #: The dtypes ``nn.LSTM`` takes for float32 parameters under autocast.
 AUTOCAST_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
+#: The parameter dtypes the kernels run (all parameters of a module in one of them).
+PARAMETER_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
 _CONFIG_FIELDS = tuple(field.name for field in dataclasses.fields(RecurrenceConfig))
 
 
@@ -69,7 +72,7 @@ def lstm_recurrence_op(xw: Tensor, w_hh: Tensor, w_hh_t: Tensor, h0: Tensor, c0:
     gradient."""
     num_directions, _, hidden = w_hh.shape
     alloc = torch.zeros if zero_fill else torch.empty
-    out = alloc((xw.shape[0], num_directions * hidden), dtype=torch.float32, device=xw.device)
+    out = alloc((xw.shape[0], num_directions * hidden), dtype=xw.dtype, device=xw.device)
     h_n, c_n = torch.empty_like(h0), torch.empty_like(c0)
     lstm_recurrence_triton(xw, w_hh, h0, c0, row_start, lengths, row_step, out, h_n, c_n,
                            _config_from_ints(config), w_hh_t)
@@ -142,11 +145,34 @@ class PersistentLSTM(torch.nn.Module):
     * ``model(sequence)`` with a ``torch.nn.utils.rnn.PackedSequence`` returns
       ``(PackedSequence, (h_n, c_n))``, like ``nn.LSTM``.
 
-    Float32 only, with float32 accuracy: the recurrent sums run in IEEE float32 on
-    CUDA cores for small batches, and on tensor cores with three TF32 products per
+    Float32 parameters give float32 accuracy: the recurrent sums run in IEEE float32
+    on CUDA cores for small batches, and on tensor cores with three TF32 products per
     product (``tf32x3``, float32-level error) for 16-row tiles at large batches; the
     input projections are ``torch.addmm`` (keep TF32 off for them, as PyTorch does by
     default). Outputs match ``nn.LSTM`` with TF32 off to about 1e-6.
+
+    Float16 or bfloat16 parameters (``lstm.half()``, ``lstm.to(torch.bfloat16)``) take
+    inputs and states of that same dtype and give outputs in it. What is kept in which
+    dtype, and why:
+
+    * ``W_hh`` on chip in the parameters' dtype: half the registers of float32, which
+      is what lets hidden 512 fit; widened to float32 at each use on CUDA cores, or
+      multiplied as it is on tensor cores.
+    * ``h`` in the parameters' dtype wherever it is stored or exchanged between
+      programs (the exchange, the outputs, ``h_n``): each step's products read it
+      rounded, as ``nn.LSTM`` in that dtype does.
+    * The gate pre-activations ``x W_ih^T + b + W_hh h`` accumulated in float32 (a sum
+      of ``H`` terms in float16 or bfloat16 would lose most of its digits), and the
+      gates computed in float32.
+    * ``c`` in float32 on chip for the whole sequence: it integrates every step
+      (``c = f c + i g``), and rounding it at every step would accumulate; it is
+      rounded once, into ``c_n``.
+    * The input projection by ``torch.addmm`` in the parameters' dtype (float32
+      accumulation inside cuBLAS), stored in that dtype.
+
+    The results stay within about 1e-2 of the float32 ``nn.LSTM`` with the same
+    (upcast) weights on inputs of unit scale. Mixing dtypes (a float16 module with a
+    float32 input or state, say) is a ``TypeError`` naming the argument.
 
     When the kernels do not apply, the call runs the wrapped ``nn.LSTM`` itself, with
     the very arguments ``nn.LSTM`` would get (a ``Packed`` batch or ``lengths`` as a
@@ -170,7 +196,8 @@ class PersistentLSTM(torch.nn.Module):
     Not supported (``ValueError`` or ``TypeError`` from :meth:`from_torch` or the
     call): ``proj_size > 0``; ``hidden_size`` above 512 (the recurrent weights must
     fit on chip); ``dropout > 0`` in training mode on the kernels (inter-layer dropout
-    only acts in training; call ``.eval()``); parameters not float32.
+    only acts in training; call ``.eval()``); parameters not all float32, all float16
+    or all bfloat16.
 
     Example:
         >>> import torch
@@ -240,11 +267,11 @@ class PersistentLSTM(torch.nn.Module):
         """Run the stack, like ``nn.LSTM.forward``.
 
         Args:
-            input: float32 ``(B, T, I)`` if ``batch_first`` else ``(T, B, I)``, or
-                ``(T, I)`` unbatched, or a :class:`~packed_kernels.Packed` with
-                ``data`` ``(N, I)``, or a ``PackedSequence``.
-            hx: optional ``(h0, c0)``, each float32 ``(num_layers D, B, H)`` (``(num_layers
-                D, H)`` unbatched); zeros when ``None``.
+            input: ``(B, T, I)`` if ``batch_first`` else ``(T, B, I)``, or ``(T, I)``
+                unbatched, or a :class:`~packed_kernels.Packed` with ``data`` ``(N, I)``,
+                or a ``PackedSequence``; of the parameters' dtype (outside autocast).
+            hx: optional ``(h0, c0)``, each ``(num_layers D, B, H)`` (``(num_layers D,
+                H)`` unbatched) of the parameters' dtype; zeros when ``None``.
             lengths: optional integer ``(B,)`` for a padded input, each in ``[0, T]``.
 
         Returns:
@@ -372,18 +399,19 @@ class PersistentLSTM(torch.nn.Module):
         D, H = self.num_directions, lstm.hidden_size
         device = x_rows.device
         n_states = lstm.num_layers * D
+        dtype = x_rows.dtype  # the parameters' (checked)
         config = self.config
         if config is None:
-            config = choose_config(batch, H, D, device, frames=x_rows.shape[0])
+            config = choose_config(batch, H, D, device, frames=x_rows.shape[0], dtype=dtype)
         transposed = config.product == RecurrentProduct.FOUR_GATES
         if traced:
             config_ints = _config_as_ints(config)
             h_layers, c_layers = [], []
         else:
-            h_n = torch.empty((n_states, batch, H), dtype=torch.float32, device=device)
+            h_n = torch.empty((n_states, batch, H), dtype=dtype, device=device)
             c_n = torch.empty_like(h_n)
         if hx is None:
-            h0 = c0 = torch.zeros((n_states, batch, H), dtype=torch.float32, device=device)
+            h0 = c0 = torch.zeros((n_states, batch, H), dtype=dtype, device=device)
         else:
             h0, c0 = hx[0].contiguous(), hx[1].contiguous()
         order = None
@@ -400,7 +428,9 @@ class PersistentLSTM(torch.nn.Module):
             # leaves no trace (no version bump) that a cache could check.
             w_ih, bias, w_hh, w_hh_t = layer_weights(directions, transposed)
             # One product for every frame and both directions: columns d * 4H + gate * H + unit.
-            if runtime.INTERPRETED or layer_input.shape[1] < TENSOR_CORE_PROJECTION_MIN_K:
+            # Float16 and bfloat16 products already run on tensor cores in cuBLAS.
+            if runtime.INTERPRETED or layer_input.shape[1] < TENSOR_CORE_PROJECTION_MIN_K \
+                    or dtype != torch.float32:
                 xw = layer_input @ w_ih.T if bias is None else torch.addmm(bias, layer_input, w_ih.T)
             else:
                 xw = input_projection_triton(layer_input, w_ih, bias)
@@ -413,7 +443,7 @@ class PersistentLSTM(torch.nn.Module):
                 c_layers.append(c_layer)
             else:
                 alloc = torch.zeros if zero_fill else torch.empty
-                out = alloc((layer_input.shape[0], D * H), dtype=torch.float32, device=device)
+                out = alloc((layer_input.shape[0], D * H), dtype=dtype, device=device)
                 lstm_recurrence_triton(xw, w_hh, h0[states], c0[states], row_start, lengths32, row_step, out,
                                        h_n[states], c_n[states], config, w_hh_t)
             layer_input = out
@@ -434,7 +464,7 @@ class PersistentLSTM(torch.nn.Module):
         if _autocast_enabled(data.device.type):
             self._say_once("autocast", f"autocast is enabled for {data.device.type}, so this call runs the wrapped "
                            "nn.LSTM, which gives nn.LSTM's dtypes and values under autocast; the Triton kernels "
-                           "compute in float32, outside autocast")
+                           "run outside autocast, in the dtype of the parameters")
             return True
         if self._needs_autograd(data, hx, params):
             self._say_once("autograd", "a gradient is needed (grad mode is on and the input, the initial state or "
@@ -498,7 +528,8 @@ class PersistentLSTM(torch.nn.Module):
 
     def _check_data(self, name, x, params):
         lstm = self.lstm
-        dtypes = AUTOCAST_DTYPES if _autocast_enabled(x.device.type) else (torch.float32,)
+        # outside autocast, the parameters' dtype (checked to be one of PARAMETER_DTYPES)
+        dtypes = AUTOCAST_DTYPES if _autocast_enabled(x.device.type) else (params[0].dtype,)
         validation.check_float_tensor(name, x, dtypes=dtypes)
         if x.shape[-1] != lstm.input_size:
             raise ValueError(
@@ -517,7 +548,7 @@ class PersistentLSTM(torch.nn.Module):
         lstm = self.lstm
         expected = (lstm.num_layers * self.num_directions, lstm.hidden_size) if unbatched else (
             lstm.num_layers * self.num_directions, batch, lstm.hidden_size)
-        dtypes = AUTOCAST_DTYPES if _autocast_enabled(x.device.type) else (torch.float32,)
+        dtypes = AUTOCAST_DTYPES if _autocast_enabled(x.device.type) else (lstm.weight_hh_l0.dtype,)
         checked = []
         for name, t in zip(("h0", "c0"), hx):
             validation.check_float_tensor(name, t, dtypes=dtypes)
@@ -588,9 +619,15 @@ def _check_module(lstm) -> None:
             f"nn.LSTM with hidden_size={lstm.hidden_size} is not supported: the kernels keep the recurrent "
             f"weights on chip, which allows hidden_size up to {MAX_HIDDEN}"
         )
-    for name, p in lstm.named_parameters():
-        if p.dtype != torch.float32:
-            raise TypeError(f"the nn.LSTM's parameters must be float32; got {name} of dtype {p.dtype}")
+    named = list(lstm.named_parameters())
+    first_name, first = named[0]
+    for name, p in named:
+        if p.dtype not in PARAMETER_DTYPES:
+            raise TypeError(f"the nn.LSTM's parameters must be float32, float16 or bfloat16; got {name} of dtype "
+                            f"{p.dtype}")
+        if p.dtype != first.dtype:
+            raise TypeError(f"the nn.LSTM's parameters must all have one dtype; got {first_name} of dtype "
+                            f"{first.dtype} and {name} of dtype {p.dtype}")
 
 
 def _check_lengths(lengths, batch, steps, device, traced) -> torch.Tensor:

@@ -25,6 +25,9 @@ streams could each hold SMs the other needs, so run recurrences from one stream.
 Triton's interpreter runs the programs of a grid one after another, so there ``K = 1``:
 no cross-program wait.
 
+Float16 and bfloat16 layers run the same kernels with ``W_hh`` held on chip and ``h``
+exchanged in that dtype, the gates accumulated and ``c`` kept in float32.
+
 There is no backward kernel: this is an inference path.
 """
 from __future__ import annotations
@@ -121,6 +124,34 @@ def _tanh(z, FAST: tl.constexpr):
 
 
 @triton.jit
+def _widen(w, PTX: tl.constexpr):
+    """``w`` (float32, float16 or bfloat16) as float32, for a product accumulated in float32.
+
+    Weights held across steps in float16 or bfloat16 stay in their dtype, two to a
+    32-bit register, and are widened at each use inside the loop. A plain conversion
+    of a value that does not change in the loop would be moved out of it, leaving
+    float32 copies in registers (what the narrow dtype is meant to save), so on the GPU
+    (``PTX``) it is an inline-PTX block that the compilers keep where it is: per
+    register, two ``cvt.f32.f16``, or for bfloat16 (the high half of a float32) a shift
+    and a mask. Called on the operand of the product as broadcast (``w[None]``), so that
+    any change of layout is made once, on the held weights, before the loop.
+    """
+    if w.dtype == tl.float32:
+        return w
+    elif PTX:
+        if w.dtype == tl.float16:
+            return tl.inline_asm_elementwise(
+                "{ .reg .b16 lo, hi; mov.b32 {lo, hi}, $2; cvt.f32.f16 $0, lo; cvt.f32.f16 $1, hi; }",
+                "=r,=r,r", [w], dtype=tl.float32, is_pure=False, pack=2)
+        else:
+            return tl.inline_asm_elementwise(
+                "{ shl.b32 $0, $2, 16; and.b32 $1, $2, 0xFFFF0000; }",
+                "=r,=r,r", [w], dtype=tl.float32, is_pure=False, pack=2)
+    else:
+        return w.to(tl.float32)
+
+
+@triton.jit
 def _any_stale(stale, VOTE_PACK: tl.constexpr):
     """Whether any thread of the program holds a nonzero entry of ``stale`` (0/1 int8).
 
@@ -142,17 +173,22 @@ def _any_stale(stale, VOTE_PACK: tl.constexpr):
 
 
 @triton.jit
-def _gate_product(h, w, PRODUCT: tl.constexpr):
-    """``h W^T`` for one gate: ``h`` is ``(BLOCK_B, BLOCK_H)``; the result ``(BLOCK_B, U)``.
+def _gate_product(h, w, PRODUCT: tl.constexpr, PTX: tl.constexpr):
+    """``h W^T`` for one gate: ``h`` is ``(BLOCK_B, BLOCK_H)``; the result ``(BLOCK_B, U)``,
+    float32.
 
     With ``ROW_SUMS`` ``w`` is ``(U, BLOCK_H)``, summed over its contiguous last axis;
-    with ``TENSOR_CORES`` it is ``(BLOCK_H, U)``, a ``tf32x3`` dot (see
-    :class:`RecurrentProduct`; ``FOUR_GATES`` is written out in :func:`_products`).
+    with ``TENSOR_CORES`` it is ``(BLOCK_H, U)``, a ``tf32x3`` dot for float32 (see
+    :class:`RecurrentProduct`; ``FOUR_GATES`` is written out in :func:`_products`), one
+    float16 or bfloat16 product with a float32 accumulator for ``h`` and ``w`` in those.
     """
     if PRODUCT == TENSOR_CORES:
-        return tl.dot(h, w, input_precision="tf32x3")
+        if w.dtype == tl.float32:
+            return tl.dot(h, w, input_precision="tf32x3")
+        else:
+            return tl.dot(h, w, out_dtype=tl.float32)
     else:
-        return tl.sum(h[:, None, :] * w[None, :, :], axis=2)
+        return tl.sum(h.to(tl.float32)[:, None, :] * _widen(w[None, :, :], PTX), axis=2)
 
 
 @triton.jit
@@ -197,10 +233,10 @@ def _load_step_inputs(xw_ptr, row_start, lengths, s, d, H, units, mask_units, ro
     row = _frame_row(row_start, lengths, s, d, row_step)
     base = xw_ptr + row[:, None] * (NUM_DIRECTIONS * 4 * H) + d * 4 * H + units[None, :]
     mask = active[:, None] & mask_units[None, :]
-    x_i = tl.load(base, mask=mask, other=0.0)
-    x_f = tl.load(base + H, mask=mask, other=0.0)
-    x_g = tl.load(base + 2 * H, mask=mask, other=0.0)
-    x_o = tl.load(base + 3 * H, mask=mask, other=0.0)
+    x_i = tl.load(base, mask=mask, other=0.0).to(tl.float32)
+    x_f = tl.load(base + H, mask=mask, other=0.0).to(tl.float32)
+    x_g = tl.load(base + 2 * H, mask=mask, other=0.0).to(tl.float32)
+    x_o = tl.load(base + 3 * H, mask=mask, other=0.0).to(tl.float32)
     return x_i, x_f, x_g, x_o
 
 
@@ -320,23 +356,25 @@ def _stale_words(packed_t, mask_full_t, s, SUB_TILES: tl.constexpr):
 
 
 @triton.jit
-def _products(h, weights, BLOCK_B: tl.constexpr, UNITS: tl.constexpr, PRODUCT: tl.constexpr):
-    """``W_hh h`` of a tile's ``(BLOCK_B, UNITS)`` units, one tensor per gate (``i, f, g, o``).
+def _products(h, weights, BLOCK_B: tl.constexpr, UNITS: tl.constexpr, PRODUCT: tl.constexpr,
+              PTX: tl.constexpr):
+    """``W_hh h`` of a tile's ``(BLOCK_B, UNITS)`` units, one float32 tensor per gate
+    (``i, f, g, o``).
 
     ``weights``: ``(w4,)``, the four gates' ``(BLOCK_H, UNITS, 4)`` slice, with
-    ``FOUR_GATES``, else one tensor per gate.
+    ``FOUR_GATES``, else one tensor per gate (float16 or bfloat16 ones: :func:`_widen`).
     """
     if PRODUCT == FOUR_GATES:
         # One product for the four gates; (BLOCK_B, UNITS, 4) -> four (BLOCK_B, UNITS).
-        z = tl.sum(h[:, :, None, None] * weights[0][None, :, :, :], axis=1)
+        z = tl.sum(h.to(tl.float32)[:, :, None, None] * _widen(weights[0][None, :, :, :], PTX), axis=1)
         z_ig, z_fo = tl.split(tl.reshape(z, (BLOCK_B, UNITS, 2, 2)))  # gate 2a + b at [a, b]
         z_i, z_g = tl.split(z_ig)
         z_f, z_o = tl.split(z_fo)
         return z_i, z_f, z_g, z_o
     else:
         w_i, w_f, w_g, w_o = weights
-        return (_gate_product(h, w_i, PRODUCT), _gate_product(h, w_f, PRODUCT), _gate_product(h, w_g, PRODUCT),
-                _gate_product(h, w_o, PRODUCT))
+        return (_gate_product(h, w_i, PRODUCT, PTX), _gate_product(h, w_f, PRODUCT, PTX),
+                _gate_product(h, w_g, PRODUCT, PTX), _gate_product(h, w_o, PRODUCT, PTX))
 
 
 @triton.jit
@@ -361,7 +399,7 @@ def _lstm_recurrence_kernel(
     NUM_DIRECTIONS: tl.constexpr, K: tl.constexpr, BLOCK_B: tl.constexpr,
     BLOCK_H: tl.constexpr, UNITS: tl.constexpr, PRODUCT: tl.constexpr, WAIT: tl.constexpr,
     PREFETCH: tl.constexpr, VOTE_PACK: tl.constexpr, L2_AHEAD: tl.constexpr, FAST: tl.constexpr,
-    SUB_TILES: tl.constexpr,
+    SUB_TILES: tl.constexpr, PTX: tl.constexpr,
 ):
     """The recurrence of one LSTM layer, all directions, in one launch.
 
@@ -376,11 +414,17 @@ def _lstm_recurrence_kernel(
     A sequence's ``h`` and ``c`` stop changing after its last frame, so the state
     left at the end is its final state ``(h_n, c_n)``. Forward only (no gradient).
 
-    Layouts (float32, contiguous): ``xw`` ``(N, D * 4H)``, ``W_hh`` ``(D, 4H, H)``,
+    Float16 and bfloat16 (``xw``, ``W_hh``, the states and ``out`` all in one of them):
+    ``W_hh`` is held in that dtype and ``h`` exchanged and stored in it; the products
+    accumulate in float32 (:func:`_widen`, or a tensor-core product with a float32
+    accumulator), and ``c`` stays float32 until it is stored in ``cn``.
+
+    Layouts (contiguous): ``xw`` ``(N, D * 4H)``, ``W_hh`` ``(D, 4H, H)``,
     ``out`` ``(N, D * H)``, ``h0``/``c0``/``hn``/``cn`` ``(D, B, H)``; frame ``t`` of
     sequence ``b`` is row ``row_start[b] + t * row_step``. ``exchange`` is ``(2, D, B,
-    H)``, slot 0 holding ``h0``: float32, or with the ``TAGGED_WORDS`` waits int64 words
-    tagged with their step (``h0`` step 0, slot 1 step -1); ``counter``, read with
+    H)``, slot 0 holding ``h0``: in the dtype of ``h``, or with the ``TAGGED_WORDS`` waits
+    int64 words tagged with their step in the high half, the bits of ``h`` in the low 32
+    (float32) or 16 (float16, bfloat16) bits (``h0`` step 0, slot 1 step -1); ``counter``, read with
     ``STEP_COUNTER`` only, ``(D, n_tiles)`` int32 zeros: the step counter of each
     direction and tile. Program
     ``(k, tile, d)`` owns units ``[k UNITS, (k + 1) UNITS)`` of rows ``[tile R, (tile +
@@ -431,10 +475,11 @@ def _lstm_recurrence_kernel(
         mask_own_t = mask_own_t + (mask_own,)
         full_t = full_t + ((d * B + rows)[:, None].to(tl.int64) * H + cols[None, :],)
         mask_full_t = mask_full_t + (mask_rows[:, None] & mask_cols[None, :],)
-        h_own_t = h_own_t + (tl.load(h0_ptr + own, mask=mask_own, other=0.0),)
-        c_t = c_t + (tl.load(c0_ptr + own, mask=mask_own, other=0.0),)
+        h_own_t = h_own_t + (tl.load(h0_ptr + own, mask=mask_own, other=0.0).to(tl.float32),)
+        c_t = c_t + (tl.load(c0_ptr + own, mask=mask_own, other=0.0).to(tl.float32),)
     slot_size = NUM_DIRECTIONS * B * H
     counter = counter_ptr + d * n_tiles + tile
+    STATE = hn_ptr.dtype.element_ty  # the dtype h is exchanged in: the parameters'
 
     x_t = _load_tiles_inputs(xw_ptr, starts_t, lengths_t, 0, d, H, units, mask_units, row_step,
                              NUM_DIRECTIONS, SUB_TILES)
@@ -461,11 +506,14 @@ def _lstm_recurrence_kernel(
         z_t = ()
         for r in tl.static_range(SUB_TILES):
             if WAIT >= TAGGED_WORDS:  # either tagged-word wait
-                h = packed_t[r].to(tl.int32).to(tl.float32, bitcast=True)  # the low 32 bits
+                if STATE == tl.float32:
+                    h = packed_t[r].to(tl.int32).to(tl.float32, bitcast=True)  # the low 32 bits
+                else:
+                    h = packed_t[r].to(tl.int16).to(STATE, bitcast=True)  # the low 16 bits
             else:
                 # .cg reads L2, never a stale L1 line from an earlier step.
                 h = tl.load(read_slot + full_t[r], mask=mask_full_t[r], other=0.0, cache_modifier=".cg")
-            z_t = z_t + (_products(h, weights, BLOCK_B, UNITS, PRODUCT),)
+            z_t = z_t + (_products(h, weights, BLOCK_B, UNITS, PRODUCT, PTX),)
         new_h_t = ()
         new_c_t = ()
         for r in tl.static_range(SUB_TILES):
@@ -476,12 +524,16 @@ def _lstm_recurrence_kernel(
             new_h_t = new_h_t + (h_own,)
             # The exchange first: the other programs wait for it, nothing waits for the output.
             if WAIT >= TAGGED_WORDS:
-                shared = h_own.to(tl.uint32, bitcast=True).to(tl.int64) | ((tl.zeros((), tl.int64) + s + 1) << 32)
+                if STATE == tl.float32:
+                    bits = h_own.to(tl.uint32, bitcast=True).to(tl.int64)
+                else:
+                    bits = h_own.to(STATE).to(tl.uint16, bitcast=True).to(tl.int64)
+                shared = bits | ((tl.zeros((), tl.int64) + s + 1) << 32)
             else:
-                shared = h_own
+                shared = h_own.to(STATE)
             tl.store(exchange_ptr + ((s + 1) % 2) * slot_size + own_t[r], shared, mask=mask_own_t[r])
             out_row = _frame_row(starts_t[r], lengths_t[r], s, d, row_step)
-            tl.store(out_ptr + out_row[:, None] * (NUM_DIRECTIONS * H) + d * H + units[None, :], h_new,
+            tl.store(out_ptr + out_row[:, None] * (NUM_DIRECTIONS * H) + d * H + units[None, :], h_new.to(STATE),
                      mask=active[:, None] & mask_units[None, :])
         h_own_t = new_h_t
         c_t = new_c_t
@@ -512,8 +564,8 @@ def _lstm_recurrence_kernel(
             tl.debug_barrier()  # the next step reads values other threads of this program wrote
 
     for r in tl.static_range(SUB_TILES):
-        tl.store(hn_ptr + own_t[r], h_own_t[r], mask=mask_own_t[r])
-        tl.store(cn_ptr + own_t[r], c_t[r], mask=mask_own_t[r])
+        tl.store(hn_ptr + own_t[r], h_own_t[r].to(STATE), mask=mask_own_t[r])
+        tl.store(cn_ptr + own_t[r], c_t[r].to(STATE), mask=mask_own_t[r])
 
 
 @triton.jit
@@ -651,9 +703,10 @@ def _l2_bytes(device: torch.device) -> int:
 
 
 def choose_config(batch: int, hidden: int, num_directions: int, device: torch.device, *,
-                  frames: int) -> RecurrenceConfig:
+                  frames: int, dtype: torch.dtype = torch.float32) -> RecurrenceConfig:
     """The configuration of a layer of this shape on ``device``; ``frames`` is the number
-    of rows of its projected inputs (every frame of every sequence).
+    of rows of its projected inputs (every frame of every sequence), ``dtype`` theirs and
+    the parameters' (float32, float16 or bfloat16).
 
     On the GPU each launch is filled up to the SM count: ``K`` programs per (direction,
     batch tile), as many tiles as fit, over slices of 16, 32 or 64 units. Per-program
@@ -675,15 +728,17 @@ def choose_config(batch: int, hidden: int, num_directions: int, device: torch.de
                                 product=RecurrentProduct.ROW_SUMS, wait=StepWait.CTA_BARRIER, num_warps=4)
     # The L2 prefetch pays off when most projected inputs would come from DRAM (they
     # fill more than half of L2).
-    inputs_spill_l2 = frames * num_directions * 4 * hidden * 4 > _l2_bytes(device) // 2
+    element_size = torch.empty((), dtype=dtype).element_size()
+    inputs_spill_l2 = frames * num_directions * 4 * hidden * element_size > _l2_bytes(device) // 2
     # Dynamo traces the function itself (and warns when it meets a cached one).
     choose = _gpu_config.__wrapped__ if torch.compiler.is_compiling() else _gpu_config
-    return choose(batch, hidden, num_directions, runtime.sm_count(device), inputs_spill_l2)
+    return choose(batch, hidden, num_directions, runtime.sm_count(device), inputs_spill_l2, dtype != torch.float32)
 
 
 @functools.lru_cache(maxsize=1024)
-def _gpu_config(batch: int, hidden: int, num_directions: int, sms: int, inputs_spill_l2: bool) -> RecurrenceConfig:
-    """:func:`choose_config` on a GPU of ``sms`` SMs."""
+def _gpu_config(batch: int, hidden: int, num_directions: int, sms: int, inputs_spill_l2: bool,
+                narrow: bool = False) -> RecurrenceConfig:
+    """:func:`choose_config` on a GPU of ``sms`` SMs; ``narrow``: float16 or bfloat16."""
     block_h = max(runtime.next_power_of_2(hidden), 16)
     best = None
     for units in (16, 32, 64):
@@ -696,8 +751,11 @@ def _gpu_config(batch: int, hidden: int, num_directions: int, sms: int, inputs_s
         k = block_h // units
         if num_directions * k > sms:
             continue
-        # rows per program: the most that keeps the work per thread within the limit
-        limit = 64 if block_h <= 128 and k > 1 else 128
+        # rows per program: the most that keeps the work per thread within the limit. Weights
+        # held in float16 or bfloat16 are widened each step next to the packed ones they
+        # come from: at 128 weights a thread that leaves registers for half the work.
+        weights_per_thread = 4 * units * block_h // threads
+        limit = 64 if (block_h <= 128 and k > 1) or (narrow and weights_per_thread >= 128) else 128
         largest = 8
         while largest > 1 and largest * units * block_h // threads > limit:
             largest //= 2
@@ -721,12 +779,13 @@ def _gpu_config(batch: int, hidden: int, num_directions: int, sms: int, inputs_s
                          f"{sms}: the persistent kernels split W_hh over programs resident at once")
     launches, work = best[0][:2]
     config = _ptx_poll(best[1], block_h)
-    if block_h <= 128 and best[1].programs_per_tile > 1 and 1 < launches <= 3:
+    if block_h <= 128 and best[1].programs_per_tile > 1 and 1 < launches <= 3 and not narrow:
         # Two or three launches' worth of rows: one launch whose programs each run that
         # many tiles one after another.
         config = _ptx_poll(replace(best[1], tiles_per_program=launches), block_h)
-    elif block_h <= 128 and (launches > 3 or work >= 128):
-        # Many rows: 16 rows per program on the tensor cores (tf32x3), in one launch,
+    elif block_h <= 128 and (launches > 3 or work >= 128 or (narrow and launches > 1)):
+        # Many rows (for float16 and bfloat16: more than one launch of them): 16 rows per
+        # program on the tensor cores (tf32x3 for float32), in one launch,
         # instead of four or more tiles per program of the CUDA-core sums, or of
         # programs that each run a whole recurrence alone with 128 multiply-adds a
         # thread; at hidden 256 the weight slice outgrows shared memory.
@@ -772,7 +831,9 @@ def lstm_recurrence_triton(
     A batch larger than one launch can keep resident (``SMs / (D K)`` tiles) runs as
     several launches of consecutive rows.
 
-    Args (float32 unless said, contiguous, on the kernel device):
+    Args (contiguous, on the kernel device; the floating ones all float32, all float16 or
+    all bfloat16, the dtype the kernel holds ``W_hh`` and exchanges ``h`` in; it keeps
+    ``c`` and accumulates the gates in float32 whatever the dtype):
         xw: ``(N, D * 4H)`` projected inputs, ``x W_ih^T + b_ih + b_hh`` per direction.
         w_hh: ``(D, 4H, H)`` recurrent weights.
         h0, c0: ``(D, B, H)`` initial states.
@@ -833,12 +894,16 @@ def _launch(xw, w_hh, h0, c0, row_start, lengths, row_step, out, h_n, c_n, confi
     grid = (k, n_tiles, num_directions)
     tagged = config.wait >= StepWait.TAGGED_WORDS  # either tagged-word wait
     if tagged:
-        # slot 0: h0 tagged step 0; slot 1: tagged -1, never a step a reader waits for
+        # slot 0: h0 tagged step 0 (its bits in the low half); slot 1: tagged -1, never a
+        # step a reader waits for
         exchange = torch.empty((2, num_directions, batch, hidden), dtype=torch.int64, device=xw.device)
-        exchange[0] = h0.view(torch.int32).to(torch.int64) & 0xFFFFFFFF
+        if h0.dtype == torch.float32:
+            exchange[0] = h0.view(torch.int32).to(torch.int64) & 0xFFFFFFFF
+        else:
+            exchange[0] = h0.view(torch.int16).to(torch.int64) & 0xFFFF
         exchange[1] = -1 << 32
     else:
-        exchange = torch.empty((2, num_directions, batch, hidden), dtype=torch.float32, device=xw.device)
+        exchange = torch.empty((2, num_directions, batch, hidden), dtype=h0.dtype, device=xw.device)
         exchange[0] = h0
     if config.wait == StepWait.STEP_COUNTER:
         counter = torch.zeros((num_directions, n_tiles), dtype=torch.int32, device=xw.device)
@@ -853,5 +918,5 @@ def _launch(xw, w_hh, h0, c0, row_start, lengths, row_step, out, h_n, c_n, confi
         # one vote per register of four entries where every thread holds a multiple of four
         VOTE_PACK=4 if config.rows_per_tile * block_h >= 4 * 32 * config.num_warps else 1,
         L2_AHEAD=config.l2_prefetch_steps if gpu else 0, FAST=config.fast_math and gpu,
-        SUB_TILES=config.tiles_per_program, num_warps=config.num_warps,
+        SUB_TILES=config.tiles_per_program, PTX=gpu, num_warps=config.num_warps,
     )
