@@ -844,7 +844,7 @@ def sinkhorn_unrolled_backward_small_kernel(logits_ptr, grad_ptr, out_ptr, num_t
 def sinkhorn_unrolled_backward_scratch_kernel(logits_ptr, grad_ptr, out_ptr, scratch_ptr, checkpoint_ptr,
                                               num_tokens, iters, num_tiles, n: tl.constexpr, BITS: tl.constexpr,
                                               BLOCK: tl.constexpr, ABSORB: tl.constexpr, FAST: tl.constexpr,
-                                              COMPUTE: tl.constexpr):
+                                              COMPUTE: tl.constexpr, PTX: tl.constexpr):
     """The unrolled backward of :func:`sinkhorn_unrolled_backward_small_kernel` for any
     number of iterations, one token per thread, ``u_t`` kept in a scratch buffer.
 
@@ -856,7 +856,8 @@ def sinkhorn_unrolled_backward_scratch_kernel(logits_ptr, grad_ptr, out_ptr, scr
     the reverse loop reads them back from the newest, recomputing
     ``v_t = 1 / (K^T u_{t-1})`` (the same operations in the same order, so the same
     bits). Programs loop over tiles of ``BLOCK`` tokens, so the scratch is a few MB
-    whatever the number of tokens, and stays in L2.
+    whatever the number of tokens, and stays in L2. ``PTX`` (compiled code only): the
+    scratch and checkpoint accesses as inline PTX (:func:`_scratch_load`).
     """
     NN: tl.constexpr = n * n
     pid = tl.program_id(0)
@@ -874,14 +875,14 @@ def sinkhorn_unrolled_backward_scratch_kernel(logits_ptr, grad_ptr, out_ptr, scr
         mask = tok[:, None] < num_tokens
         x = split_columns(tl.load(logits_ptr + offsets, mask=mask, other=0.0).to(COMPUTE), BLOCK, NN, BITS)
         u, K = _shifted_exp_entries(x, n)
-        _store_vector(base, u, n, BLOCK)
+        _store_vector(base, u, n, BLOCK, PTX)
         v = u
         for b in range(num_blocks):
-            _store_vector(matrices + b * matrix_size, K, NN, BLOCK)
+            _store_vector(matrices + b * matrix_size, K, NN, BLOCK, PTX)
             for t in range(b * ABSORB, tl.minimum(b * ABSORB + ABSORB, iters)):
                 v = _column_step(K, u, n, FAST)
                 u = _row_step(K, v, n, FAST)
-                _store_vector(base + (t + 1) * slot_size, u, n, BLOCK)
+                _store_vector(base + (t + 1) * slot_size, u, n, BLOCK, PTX)
             K = _scaled_entries(u, K, v, n)
             u = ones
         tl.debug_barrier()  # the reverse loop may read what other threads of the program wrote
@@ -889,7 +890,7 @@ def sinkhorn_unrolled_backward_scratch_kernel(logits_ptr, grad_ptr, out_ptr, scr
         Gbar, da, db_out = _reverse_start(G, K, n)
         for b_back in range(num_blocks):
             b = num_blocks - 1 - b_back
-            K = _load_vector(matrices + b * matrix_size, NN, BLOCK)
+            K = _load_vector(matrices + b * matrix_size, NN, BLOCK, PTX)
             start = b * ABSORB
             count = tl.minimum(ABSORB, iters - start)
             if b_back > 0:
@@ -897,42 +898,93 @@ def sinkhorn_unrolled_backward_scratch_kernel(logits_ptr, grad_ptr, out_ptr, scr
             # Gbar waits in the block's checkpoint until the block's end (its registers are
             # needed meanwhile); the barriers: layouts may give a lane to another thread
             tl.debug_barrier()
-            _store_vector(matrices + b * matrix_size, Gbar, NN, BLOCK)
-            u_t = _load_vector(base + (start + count) * slot_size, n, BLOCK)
+            _store_vector(matrices + b * matrix_size, Gbar, NN, BLOCK, PTX)
+            u_t = _load_vector(base + (start + count) * slot_size, n, BLOCK, PTX)
             # the u entering a block's first iteration: u0 (slot 0), or 1 after an absorption
-            u_prev = _load_scaling(base + (start + count - 1) * slot_size, (count == 1) & (b > 0), n, BLOCK)
+            u_prev = _load_scaling(base + (start + count - 1) * slot_size, (count == 1) & (b > 0), n, BLOCK, PTX)
             A, da = _reverse_step(K, K, da, u_t, u_prev, _column_step(K, u_prev, n, FAST), db_out, n, True)
             for back in range(1, count):
                 u_t = u_prev
                 t = start + count - back  # the iteration whose input u_prev is
-                u_prev = _load_scaling(base + (t - 1) * slot_size, (t - 1 == start) & (b > 0), n, BLOCK)
+                u_prev = _load_scaling(base + (t - 1) * slot_size, (t - 1 == start) & (b > 0), n, BLOCK, PTX)
                 A, da = _reverse_step(K, A, da, u_t, u_prev, _column_step(K, u_prev, n, FAST), db_out, n, False)
             tl.debug_barrier()
-            Gbar = _block_log_gradient(_load_vector(matrices + b * matrix_size, NN, BLOCK), A, K, n)
+            Gbar = _block_log_gradient(_load_pinned(matrices + b * matrix_size, NN, BLOCK, PTX), A, K, n)
         tl.store(out_ptr + offsets, join_columns(Gbar, BLOCK, NN, BITS).to(out_ptr.dtype.element_ty), mask=mask)
         tl.debug_barrier()  # the next tile overwrites the scratch
 
 
 @triton.jit
-def _store_vector(ptrs, vec, n: tl.constexpr, BLOCK: tl.constexpr):
-    for i in tl.static_range(n):
-        tl.store(ptrs + i * BLOCK, vec[i])
+def _scratch_load(ptrs, PTX: tl.constexpr):
+    """``*ptrs``, a ``[BLOCK]`` vector of the scratch or checkpoint buffers (32- or 64-bit floats).
+
+    With ``PTX`` (compiled code only: the interpreter runs no PTX) one ``ld.global`` in
+    inline PTX, which the compiler's coalescing pass does not see. That pass relates
+    every ``tl.load`` and ``tl.store`` to every other operation in its data flow, at a
+    cost that grows with the number of accesses times (more than) the kernel's size: at
+    ``n = 8`` the kernel's few hundred vector accesses (every entry of a matrix is one)
+    would spend minutes there. Lane ``t`` reads token ``t``'s entry, so the access is
+    coalesced as written. Not pure: it stays in order with the stores.
+    """
+    if PTX:
+        if ptrs.dtype.element_ty == tl.float64:
+            return tl.inline_asm_elementwise("ld.global.b64 $0, [$1];", "=l,l", [ptrs.to(tl.int64)],
+                                             dtype=tl.float64, is_pure=False, pack=1)
+        else:
+            return tl.inline_asm_elementwise("ld.global.b32 $0, [$1];", "=r,l", [ptrs.to(tl.int64)],
+                                             dtype=tl.float32, is_pure=False, pack=1)
+    else:
+        return tl.load(ptrs)
 
 
 @triton.jit
-def _load_vector(ptrs, n: tl.constexpr, BLOCK: tl.constexpr):
+def _scratch_store(ptrs, value, PTX: tl.constexpr):
+    """``*ptrs = value`` (see :func:`_scratch_load`; the asm's output is a placeholder)."""
+    if PTX:
+        if ptrs.dtype.element_ty == tl.float64:
+            tl.inline_asm_elementwise("st.global.b64 [$1], $2; mov.b32 $0, 0;", "=r,l,l", [ptrs.to(tl.int64), value],
+                                      dtype=tl.int32, is_pure=False, pack=1)
+        else:
+            tl.inline_asm_elementwise("st.global.b32 [$1], $2; mov.b32 $0, 0;", "=r,l,r", [ptrs.to(tl.int64), value],
+                                      dtype=tl.int32, is_pure=False, pack=1)
+    else:
+        tl.store(ptrs, value)
+
+
+@triton.jit
+def _store_vector(ptrs, vec, n: tl.constexpr, BLOCK: tl.constexpr, PTX: tl.constexpr):
+    for i in tl.static_range(n):
+        _scratch_store(ptrs + i * BLOCK, vec[i], PTX)
+
+
+@triton.jit
+def _load_vector(ptrs, n: tl.constexpr, BLOCK: tl.constexpr, PTX: tl.constexpr):
     vec = ()
     for i in tl.static_range(n):
-        vec = vec + (tl.load(ptrs + i * BLOCK),)
+        vec = vec + (_scratch_load(ptrs + i * BLOCK, PTX),)
     return vec
 
 
 @triton.jit
-def _load_scaling(ptrs, reset, n: tl.constexpr, BLOCK: tl.constexpr):
+def _load_pinned(ptrs, n: tl.constexpr, BLOCK: tl.constexpr, PTX: tl.constexpr):
+    """:func:`_load_vector` with its first entry read by ``tl.load``, for the values that
+    the output's :func:`join_columns` takes.
+
+    The layout pass moves the output store's layout conversion up through every
+    operation it can recompute in the store's layout; with only inline-PTX loads
+    upstream it moves it into the tree of joins, one shared-memory round trip per piece
+    instead of one for the whole tile. A ``tl.load`` is not recomputed, which keeps the
+    conversion at the store.
+    """
+    return (tl.load(ptrs),) + _load_vector(ptrs + BLOCK, n - 1, BLOCK, PTX)
+
+
+@triton.jit
+def _load_scaling(ptrs, reset, n: tl.constexpr, BLOCK: tl.constexpr, PTX: tl.constexpr):
     """:func:`_load_vector`, or ``u = 1`` where the scalar ``reset`` holds (after an absorption)."""
     vec = ()
     for i in tl.static_range(n):
-        vec = vec + (tl.where(reset, 1.0, tl.load(ptrs + i * BLOCK)),)
+        vec = vec + (tl.where(reset, 1.0, _scratch_load(ptrs + i * BLOCK, PTX)),)
     return vec
 
 
@@ -1201,7 +1253,7 @@ def _launch_unrolled_backward_scratch(out, logits, grad_R, iters, config: Unroll
     sinkhorn_unrolled_backward_scratch_kernel[(programs,)](
         logits, grad_R, out, scratch, checkpoints, T, iters, num_tiles, n=n, BITS=_bits(n),
         BLOCK=BLOCK, ABSORB=config.absorb_every, FAST=_fast(logits.dtype), COMPUTE=_compute_dtype(logits.dtype),
-        num_warps=config.num_warps)
+        PTX=not runtime.INTERPRETED, num_warps=config.num_warps)
 
 
 @runtime.on_inputs_device
