@@ -2,6 +2,7 @@
 ``PackedSequence`` as the packed reference, configurations by name, and a count of the
 wrapped module's calls."""
 import contextlib
+import copy
 import enum
 
 import torch
@@ -57,6 +58,23 @@ def make_lstm(input_size, hidden_size, num_layers=1, bidirectional=False, bias=T
     lstm = torch.nn.LSTM(input_size, hidden_size, num_layers=num_layers, bidirectional=bidirectional, bias=bias,
                          batch_first=batch_first, **kwargs)
     return lstm.to(device=device, dtype=dtype).eval()
+
+
+#: The float16 and bfloat16 modules the kernels run.
+HALF_DTYPES = (torch.float16, torch.bfloat16)
+
+#: How far a float16 or bfloat16 PersistentLSTM may be from nn.LSTM in float32 or float64
+#: with the same weights on the small cases of the tests: a few units in the last place of
+#: outputs of size at most 1 (h is rounded to the dtype at every step; 2^-11 and 2^-8 of
+#: relative rounding).
+HALF_ATOL = {torch.float16: 4e-3, torch.bfloat16: 3e-2}
+
+
+def make_half_lstm(dtype, *args, **kwargs):
+    """``(module, float32 copy, float64 copy)``: an :func:`make_lstm` module in ``dtype``
+    (its float32 weights rounded to it) and copies of those very weights, upcast."""
+    lstm = make_lstm(*args, dtype=dtype, **kwargs)
+    return lstm, copy.deepcopy(lstm).float(), copy.deepcopy(lstm).double()
 
 
 def packed_reference(lstm, padded, lengths, hx=None):

@@ -16,7 +16,10 @@ from packed_kernels.ops.lstm.padded_torch import lstm_padded, lstm_weights
 from packed_kernels.ops.lstm.triton_kernels import RecurrenceConfig, RecurrentProduct, StepWait, choose_config
 
 from assertions import assert_close
-from lstm_cases import ATOL, RTOL, assert_outputs_close, counting_module_calls, lengths_id, make_lstm, packed_reference
+from lstm_cases import (
+    ATOL, HALF_ATOL, HALF_DTYPES, RTOL, assert_outputs_close, counting_module_calls, lengths_id, make_half_lstm, make_lstm,
+    packed_reference,
+)
 
 # ----------------------------------------------------------------------------------------
 # Padded input
@@ -372,3 +375,116 @@ def test_traced_call_that_needs_a_gradient_with_lengths_runs_the_padded_stage():
     model.train()
     with pytest.raises(ValueError, match="padded PyTorch stage, which has no dropout"):
         make_fx(lambda x, lengths: model(x, lengths=lengths))(x, lengths)
+
+
+# ----------------------------------------------------------------------------------------
+# Float16 and bfloat16: W_hh and h in the dtype, the gates and c in float32
+
+
+def _upcast(output, dtype):
+    y, (h, c) = output
+    y = y.data if isinstance(y, (Packed, torch.nn.utils.rnn.PackedSequence)) else y
+    return y.to(dtype), (h.to(dtype), c.to(dtype))
+
+
+def _assert_half_outputs(output, dtype, f32, f64, suffix=""):
+    """Outputs of ``dtype``, within :data:`HALF_ATOL` of the float32 and float64 modules' ``(y, (h_n, c_n))``."""
+    y, (h, c) = output
+    y = y.data if isinstance(y, (Packed, torch.nn.utils.rnn.PackedSequence)) else y
+    assert y.dtype == h.dtype == c.dtype == dtype, (y.dtype, h.dtype, c.dtype)
+    atol = HALF_ATOL[dtype]
+    assert_outputs_close(_upcast(output, torch.float32), f32, atol=atol, rtol=0, suffix=f" vs float32{suffix}")
+    assert_outputs_close(_upcast(output, torch.float64), f64, atol=atol, rtol=0, suffix=f" vs float64{suffix}")
+
+
+#: (a padded case, with a given initial state)
+HALF_PADDED_CASES = [((3, 5, 5, 12, 2, True, True, True), True), ((2, 4, 4, 16, 1, True, False, False), False),
+                     ((2, 4, 3, 8, 3, False, True, True), True)]
+
+
+@pytest.mark.parametrize("dtype", HALF_DTYPES, ids=str)
+@pytest.mark.parametrize("case,with_state", HALF_PADDED_CASES,
+                         ids=[_case_id(c) + ("-state" if s else "") for c, s in HALF_PADDED_CASES])
+def test_half_matches_float32_and_float64_padded(device, dtype, case, with_state):
+    """Against nn.LSTM in float32 and in float64 with the same (rounded) weights and inputs."""
+    B, T, I, H, L, bi, bias, bf = case
+    lstm, f32, f64 = make_half_lstm(dtype, I, H, L, bi, bias, bf, device=device, seed=B * 100 + T)
+    D = 2 if bi else 1
+    x = torch.randn((B, T, I) if bf else (T, B, I), device=device).to(dtype)
+    hx = tuple(torch.randn(L * D, B, H, device=device).to(dtype) for _ in range(2)) if with_state else None
+    with torch.no_grad():
+        out = PersistentLSTM.from_torch(lstm)(x, hx)
+        ref32 = f32(x.float(), None if hx is None else tuple(t.float() for t in hx))
+        ref64 = f64.cpu()(x.double().cpu(), None if hx is None else tuple(t.double().cpu() for t in hx))
+    _assert_half_outputs(out, dtype, ref32, tuple_to(ref64, device))
+
+
+def tuple_to(output, device):
+    y, (h, c) = output
+    return y.to(device), (h.to(device), c.to(device))
+
+
+@pytest.mark.parametrize("dtype", HALF_DTYPES, ids=str)
+@pytest.mark.parametrize("lengths", [[3, 6, 1, 5, 2]], ids=lengths_id)
+def test_half_packed_matches_packed_sequence(device, dtype, lengths):
+    """A Packed batch with a given state against nn.LSTM on the PackedSequence, in float32
+    and float64; and the same as a padded batch with lengths."""
+    lstm, f32, f64 = make_half_lstm(dtype, 6, 10, 2, True, device=device, seed=len(lengths))
+    B, T = len(lengths), max(lengths)
+    padded = torch.randn(B, T, 6, device=device).to(dtype)
+    hx = tuple(torch.randn(4, B, 10, device=device).to(dtype) for _ in range(2))
+    lengths_t = torch.tensor(lengths, device=device)
+    model = PersistentLSTM.from_torch(lstm)
+    with torch.no_grad():
+        out, state = model(pack(padded, lengths_t), hx)
+        y, padded_state = model(padded, hx, lengths=lengths_t)
+        ref32 = packed_reference(f32, padded.float(), lengths_t, tuple(t.float() for t in hx))
+        ref64 = packed_reference(f64.cpu(), padded.double().cpu(), lengths_t.cpu(), tuple(t.double().cpu() for t in hx))
+    ref64 = tuple_to(ref64, device)
+    _assert_half_outputs((out.data, state), dtype, ref32, ref64)
+    _assert_half_outputs((pack(y, lengths_t).data, padded_state), dtype, ref32, ref64, suffix=" (padded, lengths)")
+    assert torch.equal(pack(y, lengths_t).data, out.data), "the same kernels on the same frames"
+
+
+@pytest.mark.parametrize("dtype", HALF_DTYPES, ids=str)
+def test_half_packed_sequence_in_and_out(device, dtype):
+    lstm, f32, _ = make_half_lstm(dtype, 3, 8, 2, True, device=device)
+    padded = torch.randn(3, 5, 3, device=device)
+    sequence = torch.nn.utils.rnn.pack_padded_sequence(padded.to(dtype), torch.tensor([2, 5, 4]), batch_first=True,
+                                                       enforce_sorted=False)
+    with torch.no_grad():
+        out, state = PersistentLSTM.from_torch(lstm)(sequence)
+        ref, ref_state = f32(torch.nn.utils.rnn.pack_padded_sequence(
+            padded.to(dtype).float(), torch.tensor([2, 5, 4]), batch_first=True, enforce_sorted=False))
+    assert isinstance(out, torch.nn.utils.rnn.PackedSequence) and out.data.dtype == dtype
+    assert torch.equal(out.batch_sizes, ref.batch_sizes) and torch.equal(out.unsorted_indices, ref.unsorted_indices)
+    assert_outputs_close((out.data.float(), tuple(t.float() for t in state)), (ref.data, ref_state),
+                         atol=HALF_ATOL[dtype], rtol=0)
+
+
+@pytest.mark.parametrize("dtype", HALF_DTYPES, ids=str)
+def test_half_keeps_the_cell_state_in_float32(device, dtype):
+    """``c`` grows by ``i g = 0.0004`` a step from 1 (the forget gate saturated open): below
+    half a unit in the last place of 1 in float16 (2^-11) and bfloat16 (2^-8), so a cell
+    state rounded to the dtype at every step would stay at 1. Kept in float32 and rounded
+    once, ``c_n`` is 1 + 40 x 0.0004 to the dtype's rounding."""
+    steps, delta = 40, 4e-4
+    lstm = make_lstm(2, 4, device=device, dtype=dtype)
+    with torch.no_grad():
+        for p in lstm.parameters():
+            p.zero_()
+        # gate rows i, f, g, o: i = 1/2, f = sigmoid(30) = 1 in float32, g = tanh(z) = 2 delta
+        g_bias = torch.atanh(torch.tensor(2 * delta, dtype=dtype).double()).to(dtype)
+        lstm.bias_ih_l0[4:8] = 30.0
+        lstm.bias_ih_l0[8:12] = g_bias
+    i_times_g = 0.5 * torch.tanh(g_bias.double())  # what the kernels compute, from the rounded bias
+    x = torch.randn(1, steps, 2, device=device).to(dtype)
+    hx = (torch.zeros(1, 1, 4, device=device, dtype=dtype), torch.ones(1, 1, 4, device=device, dtype=dtype))
+    with torch.no_grad():
+        _, (h, c) = PersistentLSTM.from_torch(lstm)(x, hx)
+    expected = float(1 + steps * i_times_g)
+    # rounded once: within half a unit in the last place of c_n (and well away from 1)
+    ulp = 2.0 ** -10 if dtype == torch.float16 else 2.0 ** -7
+    assert torch.all((c.double() - expected).abs() <= ulp / 2 + 1e-6), (c, expected)
+    assert torch.all(c.double() > 1), "the cell state must have grown"
+    assert torch.allclose(h.double(), 0.5 * torch.tanh(torch.tensor(expected)).double(), atol=ulp), h

@@ -263,6 +263,16 @@ def test_choose_config_prefetches_into_l2_when_inputs_spill(described_gpu, batch
     assert config.l2_prefetch_steps == (8 if product == FOUR_GATES else 0), config
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+def test_choose_config_counts_two_bytes_an_input_in_half(described_gpu, dtype):
+    """Float16 and bfloat16 inputs take half the bytes: twice the frames fit in half the L2."""
+    cuda = described_gpu(132, 50 << 20)
+    frames_in_half_l2 = (25 << 20) // (2 * 4 * 128 * 2)
+    assert choose_config(4, 128, 2, cuda, frames=frames_in_half_l2, dtype=dtype).l2_prefetch_steps == 0
+    assert choose_config(4, 128, 2, cuda, frames=frames_in_half_l2 + 1, dtype=dtype).l2_prefetch_steps == 8
+    assert choose_config(4, 128, 2, cuda, frames=frames_in_half_l2).l2_prefetch_steps == 8, "float32: 4 bytes"
+
+
 def test_choose_config_refuses_hidden_beyond_the_chip(described_gpu):
     with pytest.raises(ValueError, match="hidden_size=1024 is too large"):
         choose_config(1, 1024, 1, described_gpu(132, 50 << 20), frames=10)
@@ -302,6 +312,31 @@ EXACT_CHOICES = [
                          ids=[f"SM{c[0]}-B{c[2]}-H{c[3]}-D{c[4]}-F{c[5]}" for c in EXACT_CHOICES])
 def test_choose_config_exact_choices(described_gpu, sms, l2, batch, hidden, directions, frames, expected):
     assert choose_config(batch, hidden, directions, described_gpu(sms, l2), frames=frames) == expected
+
+
+#: The same for float16 and bfloat16 parameters: (batch, hidden, frames, the configuration).
+HALF_EXACT_CHOICES = [
+    # one row: as for float32
+    (1, 128, 589, _expected(8, 1, FOUR_GATES, TAGGED_WORDS_PTX, 4, 2)),
+    # 32 rows of 589 frames: as for float32, the inputs prefetched into L2
+    (32, 128, 589 * 32, _expected(2, 1, FOUR_GATES, TAGGED_WORDS_PTX, 8, 2, l2=8)),
+    # 128 weights a thread: two rows a tile at most (their widened copies take the registers)
+    (64, 128, 40 * 64, _expected(2, 2, FOUR_GATES, TAGGED_WORDS_PTX, 8, 1)),
+    # two launches' worth: the tensor cores in one launch, not two tiles a program
+    (128, 128, 40 * 128, _expected(4, 16, TENSOR_CORES, STEP_COUNTER, 4, 1)),
+    # hidden 256: 64 weights a thread, 8 rows a tile as for float32
+    (32, 256, 589 * 32, _expected(16, 8, FOUR_GATES, TAGGED_WORDS, 8, 1, l2=8)),
+    # hidden 512: 128 weights a thread, 2 rows a tile (float32: 4), inputs beyond half the L2
+    (32, 512, 589 * 32, _expected(32, 2, FOUR_GATES, TAGGED_WORDS, 8, 1, l2=8)),
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("batch,hidden,frames,expected", HALF_EXACT_CHOICES,
+                         ids=[f"B{c[0]}-H{c[1]}-F{c[2]}" for c in HALF_EXACT_CHOICES])
+def test_choose_config_exact_choices_half(described_gpu, dtype, batch, hidden, frames, expected):
+    cuda = described_gpu(132, 50 << 20)
+    assert choose_config(batch, hidden, 2, cuda, frames=frames, dtype=dtype) == expected
 
 
 @pytest.mark.skipif(not runtime.INTERPRETED, reason="a refusal of the interpreter's")
