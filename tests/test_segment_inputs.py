@@ -303,3 +303,57 @@ def test_good_arguments_give_the_reference(op, device):
     tensors = [arguments[name] for name in SIGNATURES[op][:-2]]
     assert_close(f"{op} of the good arguments", FUNCTIONS[op](**arguments),
                  numpy_forward(op, tensors, arguments["idx"], 2), atol=1e-6, rtol=1e-6)
+
+
+# --- the idx check on the kernels' GPU: one kernel, one transfer --------------------------------
+
+def _facts(values):
+    """``[idx[0], idx[-1], descents]`` of a Python list."""
+    return [values[0], values[-1], sum(b < a for a, b in zip(values, values[1:]))]
+
+
+@pytest.mark.parametrize("dtype", [torch.int32, torch.int64], ids=["int32", "int64"])
+def test_idx_check_kernel_reads_the_ends_and_counts_the_descents(dtype, device):
+    """``idx_facts_triton`` (the check the GPU runs) against the facts counted in Python:
+    sorted and unsorted, negative, beyond int32 (int64), one entry, and descents at the
+    first and last entries and on both sides of a block edge (blocks of 4096 entries,
+    several programs)."""
+    g = torch.Generator().manual_seed(17)
+    sorted_long = torch.sort(torch.randint(0, 3000, (9001,), generator=g)).values.tolist()
+    cases = [[0], [5], [-3], [0, 0, 1, 1, 2], [2, 1, 0], [-4, -4, 0, 7], [1, 0, 0, 3], [0, 1, 2, 1],
+             sorted_long]
+    for position in (1, 4095, 4096, 4097, 8192, 9000):
+        spoiled = list(sorted_long)
+        spoiled[position] = spoiled[position - 1] - 1
+        cases.append(spoiled)
+    if dtype == torch.int64:
+        cases += [[0, 2 ** 32 + 1], [-2 ** 63, 0, 2 ** 63 - 1], [2 ** 40, 1]]
+    else:
+        cases += [[-2 ** 31, 2 ** 31 - 1], [2 ** 31 - 1, -2 ** 31]]
+    for values in cases:
+        idx = torch.tensor(values, dtype=dtype, device=device)
+        assert tk.idx_facts_triton(idx) == _facts(values), values[:8]
+
+
+@pytest.mark.parametrize("op, call, error, argument, words", [
+    pytest.param(op, *row[1:], id=f"{op}-{row[0]}") for op, rows in BAD_INPUTS.items() for row in rows
+    if row[3] == "idx" and op in ("sum", "mul")])
+def test_bad_idx_through_the_check_kernel(op, call, error, argument, words, device, monkeypatch):
+    """The bad ``idx`` rows again, with the check of compiled code (one kernel, the ends and
+    the descents read back) instead of PyTorch's CPU ops: the same errors."""
+    from packed_kernels import runtime
+
+    checked = []
+    kernel_check = tk.idx_facts_triton
+
+    def facts(idx):
+        checked.append(idx.shape[0])
+        return kernel_check(idx)
+
+    monkeypatch.setattr(runtime, "INTERPRETED", False)
+    monkeypatch.setattr(tk, "idx_facts_triton", facts)
+    with pytest.raises(error, match=re.escape(words)) as raised:
+        call(good_arguments(op, device), device)
+    assert str(raised.value).startswith(f"{argument} "), str(raised.value)
+    if any(w in words for w in ("minimum", "maximum", "sorted")):
+        assert checked, "the check kernel did not run"

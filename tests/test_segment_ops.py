@@ -258,6 +258,34 @@ def test_empty_segments_at_the_ends_are_zero(trailing, first_pass, device):
                 assert_guards_untouched(f"{label} d/input1", grads[1])
 
 
+@pytest.mark.parametrize("first_pass", ["in-order", "scan"])
+def test_bfloat16_rows_are_summed_in_float32(first_pass, device):
+    """bfloat16 rows against the float64 NumPy loops on the same (exactly representable)
+    values, with a segment of 3000 rows near 1: a bfloat16 running sum stalls at 256
+    there (256 + 1 rounds back to 256), a float32 one is off by the output's rounding
+    alone: within one unit of bfloat16 (relative 2**-7; the interpreter's conversion to
+    bfloat16 rounds toward zero). Forward of every reduction, and the reductions in the
+    gradients of ``mul`` and ``matvec``, in both first passes."""
+    config = dataclasses.replace(tk.segment_config(), rows_in_order_max_cols=4 if first_pass == "in-order" else 0)
+    lengths = [5, 0, 3000, 1, 7]
+    idx = make_idx(lengths, device)
+    num_segments = len(lengths) + 2
+    tol = 2.0 ** -7
+    for op, width in [("sum", None), ("sum", 3), ("mean", 3), ("dot", 3), ("rms_norm", 3), ("mul", 3),
+                      ("matvec", 3)]:
+        inputs = [(1.0 + 0.05 * t.abs()).to(torch.bfloat16).requires_grad_()
+                  for t in make_inputs(op, idx.shape[0], num_segments, width, torch.float64, device, seed=9)]
+        out = launched_with(config)[op](*inputs, idx, num_segments)
+        assert out.dtype == torch.bfloat16
+        want = numpy_forward(op, inputs, idx, num_segments)
+        assert_close(f"{op} bfloat16 forward", out, want, atol=tol, rtol=tol)
+        grad = torch.ones(out.shape, dtype=torch.bfloat16, device=device)
+        grads = torch.autograd.grad(out, inputs, grad)
+        for k, (got, expected) in enumerate(zip(grads, numpy_backward(op, inputs, idx, num_segments, grad))):
+            assert got.dtype == torch.bfloat16
+            assert_close(f"{op} bfloat16 d/input{k}", got, expected, atol=2 * tol, rtol=2 * tol)
+
+
 def test_empty_segments_at_the_ends_take_programs_past_the_last_chunk(device, monkeypatch):
     """The first pass's grid: its chunks alone while the empty segments at the ends give
     each at most ``empty_segments_per_program``, else enough programs for that many

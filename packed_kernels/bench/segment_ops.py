@@ -5,6 +5,11 @@ drawn uniformly and sorted, so lengths vary around the mean), scalar and 3-vecto
 rows, float32. Workloads: ``forward``, ``fwd+bwd`` (forward then the gradient of
 every input) and ``fwd+bwd+bwd2`` (forward, the first gradient with
 ``create_graph=True``, then the gradient of that gradient, as in training on forces).
+Beside them, at 16M rows, bfloat16 rows (read as bfloat16, summed in float32: workloads
+``forward, bfloat16`` and ``fwd+bwd, bfloat16``) and ``sum`` with many trailing empty
+segments (``num_segments`` four times the last index plus one: workload ``forward,
+trailing empty segments``), under workload names of their own so that they never mix
+with the float32 rows of the same parameters.
 
 Providers:
 
@@ -12,7 +17,7 @@ Providers:
   runs inside ``torch.compile`` and CUDA graphs, where the host-reading checks are
   skipped);
 * ``triton_graph``: the same, replayed from a CUDA graph (GPU time without the host's
-  per-call overhead);
+  per-call overhead; ``forward`` and ``fwd+bwd``);
 * ``triton_checked``: the public function in eager mode, checks included (one host
   synchronisation to validate ``idx``);
 * ``index_add``: PyTorch composed from ``index_add`` / ``index_select`` (scatter with
@@ -23,6 +28,9 @@ Providers:
 
 The floor is the bytes each stage must move (its inputs read once, its outputs written
 once, ``idx`` read once per stage) over the measured copy bandwidth.
+
+``python -m packed_kernels.bench.segment_ops host`` prints the host's own time per eager
+call instead, on the CPU with the kernels stubbed (:func:`host_times`).
 """
 from __future__ import annotations
 
@@ -39,22 +47,35 @@ DEVICE = "cuda"
 ORDERS = ("forward", "fwd+bwd", "fwd+bwd+bwd2")
 
 
-def _layout(n_rows: int, mean_length: int):
+#: ``num_segments`` of the trailing-empties cases, from the last index of ``idx``.
+TRAILING_SEGMENTS = 4
+
+
+def _layout(n_rows: int, mean_length: int, trailing: bool = False):
+    """Sorted uniform segment ids and ``num_segments`` (``TRAILING_SEGMENTS`` times the last
+    index plus one when ``trailing``: three quarters of the segments empty, at the end)."""
     num_segments = max(1, n_rows // mean_length)
     g = torch.Generator(device=DEVICE).manual_seed(n_rows + mean_length)
     idx = torch.randint(0, num_segments, (n_rows,), device=DEVICE, generator=g, dtype=torch.int32)
-    return torch.sort(idx).values, num_segments
+    idx = torch.sort(idx).values
+    if trailing:
+        num_segments = TRAILING_SEGMENTS * int(idx[-1]) + 1
+    return idx, num_segments
 
 
-def _inputs(op: str, n_rows: int, num_segments: int, width: int):
+def _inputs(op: str, n_rows: int, num_segments: int, width: int, dtype: torch.dtype = torch.float32):
     shape = (n_rows,) if width == 1 else (n_rows, width)
-    x = torch.randn(shape, device=DEVICE)
+
+    def randn(*size):
+        return torch.randn(size, device=DEVICE).to(dtype)
+
+    x = randn(*shape)
     if op == "dot":
-        return [x, torch.randn(shape, device=DEVICE)]
+        return [x, randn(*shape)]
     if op == "mul":
-        return [x, torch.randn((num_segments,) + shape[1:], device=DEVICE)]
+        return [x, randn(num_segments, *shape[1:])]
     if op == "matvec":
-        return [x, torch.randn(num_segments, width, width, device=DEVICE)]
+        return [x, randn(num_segments, width, width)]
     return [x]
 
 
@@ -88,12 +109,13 @@ def _segment_reduce(op: str, lengths: torch.Tensor) -> Callable:
     return lambda x, idx, S: torch.segment_reduce(x, reduce, lengths=lengths, axis=0, unsafe=True)
 
 
-def _provider(op: str, provider: str, order: str, n_rows: int, mean_length: int, width: int):
+def _provider(op: str, provider: str, order: str, n_rows: int, mean_length: int, width: int,
+              dtype: torch.dtype = torch.float32, trailing: bool = False):
     def factory():
         from ..ops.segment import api as functions, padded_torch
 
-        idx, num_segments = _layout(n_rows, mean_length)
-        inputs = _inputs(op, n_rows, num_segments, width)
+        idx, num_segments = _layout(n_rows, mean_length, trailing)
+        inputs = _inputs(op, n_rows, num_segments, width, dtype)
         counts = torch.bincount(idx, minlength=num_segments)
         if provider in ("triton", "triton_graph"):
             fn = functions.UNCHECKED[op]
@@ -125,6 +147,12 @@ def _provider(op: str, provider: str, order: str, n_rows: int, mean_length: int,
         if order == "fwd+bwd":
             def step():
                 fn(*inputs, idx, num_segments).backward(grad_out)
+            if provider == "triton_graph":
+                step()  # the gradients exist before the capture: it accumulates into them
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph):
+                    step()
+                return graph.replay, inputs
             return step, inputs
         grad_out.requires_grad_()
         cotangents = [torch.randn_like(t) for t in inputs]
@@ -138,10 +166,11 @@ def _provider(op: str, provider: str, order: str, n_rows: int, mean_length: int,
     return factory
 
 
-def _floor_bytes(op: str, order: str, n_rows: int, mean_length: int, width: int) -> float:
-    """Each stage reads its inputs (and ``idx``) once and writes its outputs once."""
-    es = 4
-    S = max(1, n_rows // mean_length)
+def _floor_bytes(op: str, order: str, n_rows: int, mean_length: int, width: int, es: int = 4,
+                 segments: int = 1) -> float:
+    """Each stage reads its inputs (and ``idx``) once and writes its outputs once; ``es``
+    bytes per element, ``segments`` times the segments of the layout."""
+    S = segments * max(1, n_rows // mean_length)
     row = n_rows * width * es
     per_segment = S * width * es
     idx = n_rows * 4
@@ -161,13 +190,22 @@ def _floor_bytes(op: str, order: str, n_rows: int, mean_length: int, width: int)
     return {"forward": forward, "fwd+bwd": forward + backward, "fwd+bwd+bwd2": forward + backward + second}[order]
 
 
-def _case(op: str, order: str, n_rows: int, mean_length: int, width: int, providers: List[str]) -> Case:
+def _case(op: str, order: str, n_rows: int, mean_length: int, width: int, providers: List[str],
+          dtype: torch.dtype = torch.float32, trailing: bool = False) -> Case:
+    dtype_name = str(dtype).removeprefix("torch.")
+    workload = order
+    if dtype != torch.float32:
+        workload += f", {dtype_name}"
+    if trailing:
+        workload += ", trailing empty segments"
     return Case(
-        workload=order,
+        workload=workload,
         params={"op": op, "N": n_rows, "mean_length": mean_length, "width": width},
-        providers={p: _provider(op, p, order, n_rows, mean_length, width) for p in providers},
-        floor_bytes=_floor_bytes(op, order, n_rows, mean_length, width),
-        notes={"dtype": "float32"},
+        providers={p: _provider(op, p, order, n_rows, mean_length, width, dtype, trailing) for p in providers},
+        floor_bytes=_floor_bytes(op, order, n_rows, mean_length, width, es=dtype.itemsize,
+                                 segments=TRAILING_SEGMENTS if trailing else 1),
+        notes={"dtype": dtype_name, "accumulate": "float64" if dtype == torch.float64 else "float32",
+               "num_segments": f"{TRAILING_SEGMENTS} x last index + 1" if trailing else "N / mean_length"},
     )
 
 
@@ -178,21 +216,136 @@ def cases() -> Iterable[Case]:
             for width in (1, 3):
                 for op in ("sum", "mean"):
                     providers = ["triton", "index_add", "segment_reduce"]
+                    if op == "sum":
+                        # eager (checked) against the graph replay of the same call
+                        providers += ["triton_graph", "triton_checked"]
                     if n_rows == ROW_COUNTS[-1]:
-                        providers += ["triton_graph", "padded"]
-                        if op == "sum":
-                            providers += ["triton_checked"]
+                        providers += ["padded"] + (["triton_graph"] if op != "sum" else [])
                     yield _case(op, "forward", n_rows, mean_length, width, providers)
     # Sum and mean with their gradient at 16M rows.
     n_rows = ROW_COUNTS[-1]
     for mean_length in MEAN_LENGTHS:
         for width in (1, 3):
             for op in ("sum", "mean"):
+                extra = ["triton_graph", "triton_checked"] if op == "sum" else []
                 yield _case(op, "fwd+bwd", n_rows, mean_length, width,
-                            ["triton", "index_add", "segment_reduce", "padded"])
+                            ["triton", "index_add", "segment_reduce", "padded"] + extra)
     # Every op, vec3 rows, both derivative orders, the two extreme lengths.
     for mean_length in (10, 10_000):
         for op in ("sum", "mean", "dot", "mul", "rms_norm", "matvec"):
             orders = ("fwd+bwd+bwd2",) if op in ("sum", "mean") else ORDERS
             for order in orders:
                 yield _case(op, order, n_rows, mean_length, 3, ["triton", "index_add", "padded"])
+    # bfloat16 rows (float32 sums) beside float32, at the extreme lengths.
+    for mean_length in (10, 10_000):
+        for width in (1, 3):
+            for op in ("sum", "mean"):
+                yield _case(op, "forward", n_rows, mean_length, width, ["triton", "triton_graph", "index_add"],
+                            dtype=torch.bfloat16)
+        yield _case("sum", "fwd+bwd", n_rows, mean_length, 3, ["triton", "index_add"], dtype=torch.bfloat16)
+    # Three quarters of the segments empty, after the last index.
+    for width in (1, 3):
+        yield _case("sum", "forward", n_rows, 10, width, ["triton", "triton_graph", "triton_checked", "index_add"],
+                    trailing=True)
+
+
+# --- host time per eager call, launches stubbed -------------------------------------------------
+
+def host_times(n_rows: int = 4096, mean_length: int = 10, repeats: int = 2000) -> dict:
+    """Host microseconds per eager call of each public segment function, kernels not run.
+
+    Runs on CPU tensors with every Triton kernel of :mod:`..ops.segment.triton_kernels`
+    replaced by a no-op and the launchers taking their compiled-code branches, so what
+    remains is the host's own work: the argument checks, the ``idx`` check (its device
+    ops and one host read), the allocations, the configuration lookups, the dispatch
+    through the operators and autograd, and the (stubbed) launch calls. Returns
+    ``{(op, order): {part: us}}`` with ``order`` ``forward`` or ``fwd+bwd`` and the parts
+    ``total``, ``idx check``, ``allocation``, ``config``, ``launch`` and ``rest`` (argument
+    checks, dispatch, autograd). CPU tensor ops cost the host about what CUDA launches
+    of the same ops cost, so the split shows where an eager call's host time goes.
+    """
+    import contextlib
+    import time
+
+    from .. import runtime
+    from ..ops.segment import api as functions, triton_kernels as tk
+
+    spent = {}
+    inner = []  # the time of the timed calls inside each running timed call
+
+    def timed(part, fn):
+        def wrapper(*args, **kwargs):
+            start = time.perf_counter()
+            inner.append(0.0)
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                elapsed = time.perf_counter() - start
+                # each part its own time only: the allocation inside the idx check is allocation
+                spent[part] = spent.get(part, 0.0) + elapsed - inner.pop()
+                if inner:
+                    inner[-1] += elapsed
+        return wrapper
+
+    class Kernel:
+        def __getitem__(self, grid):
+            return timed("launch", lambda *args, **kwargs: None)
+
+    class Allocations:  # torch, as the launchers see it, with timed allocations
+        def __getattr__(self, name):
+            value = getattr(torch, name)
+            return timed("allocation", value) if name in ("empty", "zeros", "full", "empty_like") else value
+
+    kernels = {name: Kernel() for name, value in vars(tk).items() if name.endswith("_kernel")}
+    patches = [(runtime, "INTERPRETED", False), (tk, "torch", Allocations()),
+               (functions, "_check_idx", timed("idx check", functions._check_idx)),
+               (functions, "_config", timed("config", functions._config)),
+               (functions, "config_text", timed("config", functions.config_text)),
+               (tk, "segment_config", timed("config", tk.segment_config))]
+    patches += [(tk, name, kernel) for name, kernel in kernels.items()]
+    global DEVICE
+    saved_device, DEVICE = DEVICE, "cpu"
+    results = {}
+    with contextlib.ExitStack() as stack:
+        for module, name, value in patches:
+            saved = getattr(module, name)
+            setattr(module, name, value)
+            stack.callback(setattr, module, name, saved)
+        stack.callback(globals().__setitem__, "DEVICE", saved_device)
+        idx, num_segments = _layout(n_rows, mean_length)
+        for op in ("sum", "mean", "dot", "mul", "rms_norm", "matvec"):
+            fn = getattr(functions, f"segmented_{op}")
+            for order in ("forward", "fwd+bwd"):
+                inputs = [t.requires_grad_(order != "forward") for t in _inputs(op, n_rows, num_segments, 3)]
+                grad = torch.ones_like(fn(*inputs, idx, num_segments)) if order != "forward" else None
+
+                def call():
+                    out = fn(*inputs, idx, num_segments)
+                    if grad is not None:
+                        out.backward(grad)
+                for _ in range(repeats // 10):
+                    call()
+                # the quickest of five rounds: the machine's other work only ever adds time
+                rounds = []
+                for _ in range(5):
+                    spent.clear()
+                    start = time.perf_counter()
+                    for _ in range(repeats // 5):
+                        call()
+                    rounds.append({"total": time.perf_counter() - start, **spent})
+                parts = min(rounds, key=lambda r: r["total"])
+                parts["rest"] = parts["total"] - sum(t for part, t in parts.items() if part != "total")
+                results[(op, order)] = {part: 1e6 * t / (repeats // 5) for part, t in parts.items()}
+    return results
+
+
+if __name__ == "__main__":
+    import sys
+
+    if sys.argv[1:] != ["host"]:
+        sys.exit("usage: python -m packed_kernels.bench.segment_ops host  (host time per eager call, "
+                 "kernels stubbed; the GPU cases run through python -m packed_kernels.bench segment_ops)")
+    order_of = ("total", "idx check", "allocation", "config", "launch", "rest")
+    print(f"{'op':10s} {'order':8s} " + " ".join(f"{p:>10s}" for p in order_of) + "   (us per call)")
+    for (op, order), parts in host_times().items():
+        print(f"{op:10s} {order:8s} " + " ".join(f"{parts.get(p, 0.0):10.1f}" for p in order_of))

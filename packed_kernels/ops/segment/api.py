@@ -154,11 +154,15 @@ def _check_idx(idx, n_rows: int, num_segments: int, rows_name: str) -> Tensor:
     if n_rows > 0 and num_segments == 0:
         raise ValueError(f"idx must be < num_segments (0), which no row can meet; got {n_rows} rows")
     if is_traced(idx):
-        return idx.clamp(0, max(num_segments - 1, 0)).to(torch.int32)
+        return idx.clamp(0, max(num_segments - 1, 0)).to(torch.int32).contiguous()
+    idx = idx.contiguous()
     if n_rows > 0:
-        descending = (idx[1:] < idx[:-1]).sum() if n_rows > 1 else idx.new_zeros(())
-        low, high = torch.aminmax(idx)
-        low, high, unsorted = torch.stack([low, high, descending.to(idx.dtype)]).tolist()
+        first, last, unsorted = _idx_facts(idx)
+        low, high = first, last
+        if unsorted:
+            # (the error path: the extremes of an unsorted idx, for the messages below)
+            low, high = torch.aminmax(idx)
+            low, high = low.item(), high.item()
         if low < 0:
             raise ValueError(f"idx must be >= 0; got a minimum of {low}")
         if high >= num_segments:
@@ -166,7 +170,19 @@ def _check_idx(idx, n_rows: int, num_segments: int, rows_name: str) -> Tensor:
         if unsorted:
             raise ValueError(f"idx must be sorted in non-decreasing order; {unsorted} entries are smaller "
                              "than the one before")
-    return idx.to(torch.int32)
+    return idx if idx.dtype == torch.int32 else idx.to(torch.int32)
+
+
+def _idx_facts(idx: Tensor) -> list:
+    """``[idx[0], idx[-1], number of i with idx[i] < idx[i - 1]]`` on the host, for a
+    non-empty contiguous ``idx``: a sorted ``idx`` is in range when its ends are. On the
+    kernels' GPU one read of ``idx`` by one kernel and one transfer
+    (:func:`~.triton_kernels.idx_facts_triton`); elsewhere (CPU tensors, read where they
+    are) PyTorch's own ops."""
+    if runtime.on_kernel_device(idx) and not runtime.INTERPRETED:
+        return tk.idx_facts_triton(idx)
+    unsorted = int((idx[1:] < idx[:-1]).sum()) if idx.shape[0] > 1 else 0
+    return [int(idx[0]), int(idx[-1]), unsorted]
 
 
 def _check_segments(idx, num_segments: int, rows_name: str, **tensors) -> Tensor:
@@ -182,6 +198,8 @@ def _check_segments(idx, num_segments: int, rows_name: str, **tensors) -> Tensor
 def _promoted(x: Tensor, y: Tensor) -> tuple[Tensor, Tensor]:
     """Both operands in ``torch.promote_types`` of their dtypes (bfloat16 with float32 is
     float32), as PyTorch's binary operations promote; the cast is differentiable."""
+    if x.dtype == y.dtype:
+        return x, y
     dtype = torch.promote_types(x.dtype, y.dtype)
     return x.to(dtype), y.to(dtype)
 
@@ -501,7 +519,7 @@ def _as_rows(x: Tensor) -> Tensor:
 
 def _index(idx: Tensor) -> Tensor:
     # the kernels read idx as a dense int32 array (a strided view is copied once)
-    return idx.contiguous()
+    return idx if idx.is_contiguous() else idx.contiguous()
 
 
 def _sum(x, idx, num_segments, config=None):

@@ -756,6 +756,65 @@ def _chunk_rows(block_cols: int, config: SegmentConfig) -> int:
     return max(config.min_chunk_rows, config.chunk_elements // block_cols)
 
 
+def _output_columns(prologue: int, D: int, K: int) -> int:
+    """The columns of a segmented reduction's output (see :func:`segment_reduce_triton`)."""
+    if prologue in (ROW_DOT.value, ROW_SQUARED_NORM.value):
+        return 1
+    return D * K if prologue == ROW_OUTER.value else D
+
+
+@functools.lru_cache(maxsize=256)
+def _reduce_plan(N: int, D: int, K: int, num_segments: int, prologue: int, epilogue: int, write_counts: bool,
+                 dtype: torch.dtype, config: SegmentConfig, interpreted: bool) -> dict:
+    """Every launch choice of :func:`segment_reduce_triton` that depends on the shapes,
+    the modes, the dtype and the configuration alone (not on the tensors' addresses),
+    worked out once per combination: grids, constexprs and launch options (for
+    ``N``, ``num_segments`` and the output's columns all positive)."""
+    n_cols = _output_columns(prologue, D, K)
+    acc = _accumulator(dtype)
+    block_cols = 1 if n_cols == 1 else _column_block(n_cols)
+    block_rows = _chunk_rows(block_cols, config)
+    # No chunk longer than the input, rounded up to a power of two: padding rows cost
+    # scan steps (and the interpreter's scan steps are slow).
+    block_rows = min(block_rows, max(16, runtime.next_power_of_2(N)))
+    n_chunks = runtime.cdiv(N, block_rows)
+    col_blocks = runtime.cdiv(n_cols, block_cols)
+    rows_per_thread = config.rows_per_thread if n_cols == 1 else config.vector_rows_per_thread
+    need_counts = write_counts or epilogue != TOTAL.value
+    # (the in-order pass indexes the flat rows, up to one chunk past N, in int32)
+    in_order = (prologue == ROW_VALUE.value and epilogue in (TOTAL.value, DIVIDE_BY_COUNT.value)
+                and n_cols <= config.rows_in_order_max_cols
+                and (N + rows_per_thread * config.rows_in_order_threads) * n_cols < 2 ** 31)
+    if in_order:
+        lanes = _rows_in_order_lanes(N, rows_per_thread, config)
+        n_chunks = runtime.cdiv(N, rows_per_thread * lanes)
+        first = dict(
+            EPILOGUE=epilogue, WRITE_COUNTS=write_counts, NEED_COUNTS=need_counts,
+            COLS=n_cols, COLS_POW2=runtime.next_power_of_2(n_cols), ROWS_PER_THREAD=rows_per_thread,
+            BITS=rows_per_thread.bit_length() - 1, THREADS=lanes, ACC_DTYPE=acc,
+            # compiled float32: the approximate reciprocal (1 ulp) instead of a division
+            FAST_DIVIDE=not interpreted and acc == tl.float32, FILL_BLOCK=max(lanes, 64),
+            num_warps=max(1, min(16, lanes // 32)), **_register_cap(epilogue, n_cols, dtype, config))
+    else:
+        first = dict(
+            PROLOGUE=prologue, EPILOGUE=epilogue, WRITE_COUNTS=write_counts, NEED_COUNTS=need_counts,
+            BLOCK_ROWS=block_rows, BLOCK_COLS=block_cols, ACC_DTYPE=acc,
+            num_warps=_warps_for(block_rows * block_cols))
+    # the first pass's programs: its chunks, and more (that only zero) where the empty
+    # segments at the ends would give each chunk more than its share
+    programs = max(n_chunks, runtime.cdiv(num_segments, config.empty_segments_per_program))
+    combine_parts = min(config.combine_parts, runtime.next_power_of_2(2 * n_chunks))
+    combine = dict(
+        EPILOGUE=epilogue, WRITE_COUNTS=write_counts,
+        BLOCK_PARTS=combine_parts, BACK_PARTS=max(combine_parts, min(config.combine_back_parts, 4 * combine_parts)),
+        BLOCK_COLS=block_cols, ACC_DTYPE=acc, num_warps=config.combine_warps)
+    return dict(
+        n_chunks=n_chunks, in_order=in_order, rows_per_thread=rows_per_thread,
+        first_grid=(programs,) if in_order else (programs, col_blocks), first=first,
+        combine_grid=(runtime.cdiv(2 * n_chunks, combine_parts), col_blocks), combine=combine,
+        part_dtype=torch.float64 if dtype == torch.float64 else torch.float32)
+
+
 @runtime.on_inputs_device
 def segment_reduce_triton(x: torch.Tensor, y, idx: torch.Tensor, num_segments: int, prologue: tl.constexpr,
                           epilogue: tl.constexpr, write_counts: bool, K: int = 1,
@@ -769,72 +828,32 @@ def segment_reduce_triton(x: torch.Tensor, y, idx: torch.Tensor, num_segments: i
     ``write_counts``.
     """
     config = segment_config() if config is None else config
-    prologue, epilogue = prologue.value, epilogue.value
     N, D = x.shape
-    if prologue in (ROW_DOT.value, ROW_SQUARED_NORM.value):
-        n_cols = 1
-    elif prologue == ROW_OUTER.value:
-        n_cols = D * K
-    else:
-        n_cols = D
+    n_cols = _output_columns(prologue.value, D, K)
     if N == 0 or num_segments == 0 or n_cols == 0:
         out = torch.zeros((num_segments, n_cols), dtype=x.dtype, device=x.device)
         return out, torch.zeros((num_segments if write_counts else 0,), dtype=torch.int32, device=x.device)
+    plan = _reduce_plan(N, D, K, num_segments, prologue.value, epilogue.value, write_counts, x.dtype, config,
+                        runtime.INTERPRETED)
     # The first pass zeroes the empty segments itself.
     out = _uninitialised((num_segments, n_cols), x.dtype, x.device, config)
     counts = _uninitialised((num_segments if write_counts else 0,), torch.int32, x.device, config)
-    acc = _accumulator(x.dtype)
-    block_cols = 1 if n_cols == 1 else _column_block(n_cols)
-    block_rows = _chunk_rows(block_cols, config)
-    # No chunk longer than the input, rounded up to a power of two: padding rows cost
-    # scan steps (and the interpreter's scan steps are slow).
-    block_rows = min(block_rows, max(16, runtime.next_power_of_2(N)))
-    n_chunks = runtime.cdiv(N, block_rows)
-    col_blocks = runtime.cdiv(n_cols, block_cols)
-    acc_torch = torch.float64 if x.dtype == torch.float64 else torch.float32
-    y_arg = x if y is None else y
-    rows_per_thread = config.rows_per_thread if n_cols == 1 else config.vector_rows_per_thread
-    # (the in-order pass indexes the flat rows, up to one chunk past N, in int32)
-    in_order = (prologue == ROW_VALUE.value and epilogue in (TOTAL.value, DIVIDE_BY_COUNT.value)
-                and n_cols <= config.rows_in_order_max_cols
-                and (N + rows_per_thread * config.rows_in_order_threads) * n_cols < 2 ** 31)
-    if in_order:
-        lanes = _rows_in_order_lanes(N, rows_per_thread, config)
-        n_chunks = runtime.cdiv(N, rows_per_thread * lanes)
-    # the first pass's programs: its chunks, and more (that only zero) where the empty
-    # segments at the ends would give each chunk more than its share
-    programs = max(n_chunks, runtime.cdiv(num_segments, config.empty_segments_per_program))
-    part_value = torch.empty((2 * n_chunks, n_cols), dtype=acc_torch, device=x.device)
+    parts = 2 * plan["n_chunks"]
+    part_value = torch.empty((parts, n_cols), dtype=plan["part_dtype"], device=x.device)
     # Segment ids and row counts of the partials share one allocation (fewer host calls).
-    part_segment, part_count = torch.empty((2, 2 * n_chunks), dtype=torch.int32, device=x.device).unbind(0)
-    if in_order:
-        segment_sum_rows_kernel[(programs,)](
+    part_segment, part_count = torch.empty((2, parts), dtype=torch.int32, device=x.device).unbind(0)
+    if plan["in_order"]:
+        rows_per_thread = plan["rows_per_thread"]
+        segment_sum_rows_kernel[plan["first_grid"]](
             x, idx, out, counts, part_value, part_segment, part_count, N, num_segments,
-            EPILOGUE=epilogue, WRITE_COUNTS=write_counts, NEED_COUNTS=write_counts or epilogue != TOTAL.value,
-            COLS=n_cols, COLS_POW2=runtime.next_power_of_2(n_cols), ROWS_PER_THREAD=rows_per_thread,
-            BITS=rows_per_thread.bit_length() - 1, THREADS=lanes,
-            VECTOR_IDX=_vector_loads(idx, rows_per_thread), VECTOR_X=_vector_loads(x, rows_per_thread), ACC_DTYPE=acc,
-            # compiled float32: the approximate reciprocal (1 ulp) instead of a division
-            FAST_DIVIDE=not runtime.INTERPRETED and acc == tl.float32, FILL_BLOCK=max(lanes, 64),
-            num_warps=max(1, min(16, lanes // 32)), **_register_cap(epilogue, n_cols, x.dtype, config),
-        )
+            VECTOR_IDX=_vector_loads(idx, rows_per_thread), VECTOR_X=_vector_loads(x, rows_per_thread),
+            **plan["first"])
     else:
-        segment_reduce_chunks_kernel[(programs, col_blocks)](
-            x, y_arg, idx, out, counts, part_value, part_segment, part_count,
-            N, D, K, n_cols, num_segments,
-            PROLOGUE=prologue, EPILOGUE=epilogue, WRITE_COUNTS=write_counts,
-            NEED_COUNTS=write_counts or epilogue != TOTAL.value,
-            BLOCK_ROWS=block_rows, BLOCK_COLS=block_cols, ACC_DTYPE=acc,
-            num_warps=_warps_for(block_rows * block_cols),
-        )
-    combine_parts = min(config.combine_parts, runtime.next_power_of_2(2 * n_chunks))
-    segment_reduce_combine_kernel[(runtime.cdiv(2 * n_chunks, combine_parts), col_blocks)](
-        part_value, part_segment, part_count, out, counts, 2 * n_chunks, n_cols,
-        EPILOGUE=epilogue, WRITE_COUNTS=write_counts,
-        BLOCK_PARTS=combine_parts, BACK_PARTS=max(combine_parts, min(config.combine_back_parts, 4 * combine_parts)),
-        BLOCK_COLS=block_cols, ACC_DTYPE=acc,
-        num_warps=config.combine_warps,
-    )
+        segment_reduce_chunks_kernel[plan["first_grid"]](
+            x, x if y is None else y, idx, out, counts, part_value, part_segment, part_count,
+            N, D, K, n_cols, num_segments, **plan["first"])
+    segment_reduce_combine_kernel[plan["combine_grid"]](
+        part_value, part_segment, part_count, out, counts, parts, n_cols, **plan["combine"])
     return out, counts
 
 
