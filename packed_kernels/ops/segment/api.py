@@ -58,7 +58,6 @@ a whole chain of derivatives with a small one; the public functions pass ``None`
 """
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
 import json
@@ -564,9 +563,7 @@ def _padded_stage(stage, *tensors, idx: Tensor, num_segments: int) -> Tensor:
     dtype = tensors[0].dtype
     compute = torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
     device_type = tensors[0].device.type
-    no_autocast = (torch.autocast(device_type, enabled=False) if torch.amp.is_autocast_available(device_type)
-                   else contextlib.nullcontext())
-    with no_autocast:
+    with runtime.without_autocast(device_type):
         return stage(*(t.to(compute) for t in tensors), idx, num_segments).to(dtype)
 
 

@@ -663,7 +663,7 @@ def _row_sums(K, v, n: tl.constexpr):
 @triton.jit
 def _reciprocals(s, n: tl.constexpr, FAST: tl.constexpr, PAIRS: tl.constexpr):
     """``1 / s`` entry by entry; the first ``PAIRS`` pairs ``(s_0, s_1), (s_2, s_3), ...``
-    share one reciprocal (see :func:`_pairing_safe` for when that is safe)."""
+    share one reciprocal (safe for any logits: :func:`absorb_period` bounds every sum)."""
     r = ()
     for p in tl.static_range(n // 2):
         if p < PAIRS:
