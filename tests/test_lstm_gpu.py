@@ -9,8 +9,9 @@ from packed_kernels.ops.lstm.triton_kernels import RecurrenceConfig
 
 from assertions import assert_close
 from lstm_cases import (
-    ATOL, CTA_BARRIER, FOUR_GATES, ROW_SUMS, RTOL, STEP_COUNTER, TAGGED_WORDS, TAGGED_WORDS_PTX, TENSOR_CORES,
-    assert_outputs_close, assert_runs_match, config_with_gate_default, make_lstm, packed_reference, param_id,
+    ATOL, CTA_BARRIER, FOUR_GATES, HALF_ATOL, HALF_DTYPES, ROW_SUMS, RTOL, STEP_COUNTER, TAGGED_WORDS, TAGGED_WORDS_PTX,
+    TENSOR_CORES, assert_outputs_close, assert_runs_match, config_with_gate_default, make_half_lstm, make_lstm,
+    packed_reference, param_id,
 )
 
 @pytest.mark.gpu_only
@@ -278,3 +279,128 @@ def test_cpu_module_on_a_gpu_machine_is_nn_lstm():
         out, state = model(pack(x, lengths))
         assert_outputs_close((out.data, state), packed_reference(lstm, x, lengths))
     assert torch.equal(y, ref) and torch.equal(h, h_ref) and torch.equal(c, c_ref)
+
+
+# ----------------------------------------------------------------------------------------
+# Float16 and bfloat16: W_hh held and h exchanged in the dtype
+
+
+def _busy_gpu():
+    """Starts a float32 matmul on a side stream (other work in flight at the same time)."""
+    busy = torch.randn(2048, 2048, device="cuda")
+
+    def load():
+        side = torch.cuda.Stream()
+        with torch.cuda.stream(side):
+            busy @ busy
+    return load
+
+
+def _assert_half_runs(model, f32, dtype, padded, lengths, runs, hx=None, atol=None):
+    """``runs`` calls on the packed batch under a concurrent matmul: the first within
+    ``atol`` (:data:`HALF_ATOL`) of the float32 module on the PackedSequence, every later
+    one bitwise equal to it (the arithmetic is the same each run: a stale read of the
+    exchange would change it)."""
+    load = _busy_gpu()
+    ref = packed_reference(f32, padded.float(), lengths, None if hx is None else tuple(t.float() for t in hx))
+    packed = pack(padded, lengths)
+    first = None
+    for run in range(runs):
+        load()
+        out, (h, c) = model(packed, hx)
+        assert out.data.dtype == h.dtype == c.dtype == dtype
+        if first is None:
+            first = (out.data, h, c)
+            assert_outputs_close((out.data.float(), (h.float(), c.float())), ref, atol=atol or HALF_ATOL[dtype],
+                                 rtol=0)
+        else:
+            for name, a, e in zip(("y", "h_n", "c_n"), (out.data, h, c), first):
+                assert torch.equal(a, e), f"{name} of run {run} differs from run 0"
+    torch.cuda.synchronize()
+
+
+@pytest.mark.gpu_only
+@pytest.mark.parametrize("dtype", HALF_DTYPES, ids=str)
+@pytest.mark.parametrize("B,H", [(1, 128), (32, 128), (64, 128), (128, 128), (32, 256), (1, 512), (32, 512)],
+                         ids=lambda v: str(v))
+def test_half_default_configuration_repeated(dtype, B, H):
+    """The default configurations of float16 and bfloat16 (cooperative CUDA-core programs,
+    the tensor cores from two launches' worth of rows at hidden 128, hidden 512 with W_hh
+    held in the dtype) under load, run after run."""
+    lstm, f32, _ = make_half_lstm(dtype, 60, H, 2, True, device="cuda", seed=B + H)
+    lengths = torch.randint(1, 65, (B,), generator=torch.Generator().manual_seed(B)).cuda()
+    lengths[0] = 64
+    padded = torch.randn(B, 64, 60, device="cuda").to(dtype)
+    hx = tuple(torch.randn(4, B, H, device="cuda").to(dtype) for _ in range(2))
+    with torch.no_grad():
+        _assert_half_runs(PersistentLSTM.from_torch(lstm), f32, dtype, padded, lengths, 6, hx)
+
+
+#: (programs_per_tile, rows_per_tile, product, wait, num_warps) and options, over hidden 40 or 64
+HALF_VARIANTS = [
+    ((4, 1, FOUR_GATES, TAGGED_WORDS_PTX, 4), dict(prefetch_steps=2)),
+    ((2, 2, FOUR_GATES, TAGGED_WORDS, 8), dict(l2_prefetch_steps=2)),
+    ((2, 2, FOUR_GATES, TAGGED_WORDS_PTX, 8), dict(tiles_per_program=2)),
+    ((4, 2, FOUR_GATES, STEP_COUNTER, 4), dict()),
+    ((4, 2, ROW_SUMS, STEP_COUNTER, 4), dict()),
+    ((4, 2, ROW_SUMS, TAGGED_WORDS, 4), dict(fast_math=False)),
+    ((2, 16, TENSOR_CORES, STEP_COUNTER, 4), dict()),
+    ((4, 16, TENSOR_CORES, TAGGED_WORDS, 4), dict(prefetch_steps=2)),
+    ((1, 4, FOUR_GATES, CTA_BARRIER, 4), dict()),
+    ((1, 16, TENSOR_CORES, CTA_BARRIER, 4), dict()),
+]
+
+
+@pytest.mark.gpu_only
+@pytest.mark.parametrize("dtype", HALF_DTYPES, ids=str)
+@pytest.mark.parametrize("hidden", [40, 64])
+@pytest.mark.parametrize("config", [
+    config_with_gate_default(programs_per_tile=k, rows_per_tile=rows, product=product, wait=wait, num_warps=warps,
+                             **options)
+    for (k, rows, product, wait, warps), options in HALF_VARIANTS],
+    ids=lambda c: f"K{c.programs_per_tile}-rows{c.rows_per_tile}-{c.product.name}-{c.wait.name}"
+                  f"-l2{c.l2_prefetch_steps}-tiles{c.tiles_per_program}")
+def test_half_cooperative_variants(dtype, hidden, config):
+    """Every product and wait with float16 and bfloat16 h words in the exchange, masked units
+    (hidden 40), sequences shorter than the look-ahead, under load, run after run."""
+    lstm, f32, _ = make_half_lstm(dtype, 13, hidden, 2, True, device="cuda")
+    lengths = torch.tensor([30, 17, 1, 9, 5, 2, 11], device="cuda")
+    padded = torch.randn(7, 30, 13, device="cuda").to(dtype)
+    with torch.no_grad():
+        _assert_half_runs(PersistentLSTM.from_torch(lstm, config), f32, dtype, padded, lengths, 3)
+
+
+@pytest.mark.gpu_only
+@pytest.mark.parametrize("dtype", HALF_DTYPES, ids=str)
+def test_half_pyannote_stack_within_1e_2_of_float32(dtype):
+    """The segmentation stack (60 inputs, 4 bidirectional layers of 128, 589 frames) at batch
+    32: within 1e-2 of nn.LSTM in float32 (cuDNN, TF32 off) with the same rounded weights."""
+    lstm, f32, _ = make_half_lstm(dtype, 60, 128, 4, True, device="cuda", seed=32)
+    x = torch.randn(32, 589, 60, device="cuda").to(dtype)
+    with torch.no_grad():
+        y, (h, c) = PersistentLSTM.from_torch(lstm)(x)
+        ref, (h_ref, c_ref) = f32(x.float())
+    assert y.dtype == dtype
+    assert_close("y", y.float(), ref, atol=1e-2, rtol=0)
+    assert_close("h_n", h.float(), h_ref, atol=1e-2, rtol=0)
+    assert_close("c_n", c.float(), c_ref, atol=2e-2, rtol=0)
+
+
+@pytest.mark.gpu_only
+@pytest.mark.parametrize("dtype", HALF_DTYPES, ids=str)
+def test_half_cuda_graph_capture_replays(dtype):
+    lstm, f32, _ = make_half_lstm(dtype, 60, 128, 2, True, device="cuda")
+    model = PersistentLSTM.from_torch(lstm)
+    x = torch.randn(8, 50, 60, device="cuda").to(dtype)
+    with torch.no_grad():
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            model(x)
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            y, (h, c) = model(x)
+        x.copy_(torch.randn_like(x))
+        graph.replay()
+        assert_outputs_close((y.float(), (h.float(), c.float())), f32(x.float()), atol=HALF_ATOL[dtype], rtol=0)

@@ -5,6 +5,15 @@ audio), at batch 1, 8, 32, 64, 128 and 256; a hidden-256 variant; and a packed b
 chunks of different lengths. Providers: cuDNN through ``nn.LSTM`` (float32, TF32
 off), ``PersistentLSTM`` and, at small batch, the padded PyTorch stage.
 
+In half precision (workloads ``forward float16`` and ``forward bfloat16``): the same
+stack at batch 1, 32 and 128 and a hidden-512 variant at batch 32, with the module and
+its input in that dtype, ``cudnn`` being ``nn.LSTM`` in that dtype (cuDNN's float16
+path in ``forward float16``) and ``triton_persistent`` ``PersistentLSTM`` of it.
+
+Every row carries ``layer_steps``, ``T x layers``: ``ms_p50 / layer_steps`` is the time
+of one layer's step (both directions), which ``floor_ms / layer_steps`` (the hand-off)
+bounds from below at every batch size.
+
 The floor is a sequential-latency bound: the recurrence has ``T x layers``
 dependent steps (the two directions run side by side), and a design that splits
 ``W_hh`` over several SMs must hand the new hidden state from SM to SM at every
@@ -53,9 +62,9 @@ def handoff_latency_ms(n_rounds: int = 20000) -> float:
     return sorted(times)[len(times) // 2] / (2 * n_rounds)
 
 
-def _lstm(I, H, layers, seed=0):
+def _lstm(I, H, layers, seed=0, dtype=torch.float32):
     torch.manual_seed(seed)
-    return torch.nn.LSTM(I, H, num_layers=layers, bidirectional=True, batch_first=True).cuda().eval()
+    return torch.nn.LSTM(I, H, num_layers=layers, bidirectional=True, batch_first=True).cuda().to(dtype).eval()
 
 
 def _no_grad(build):
@@ -93,6 +102,27 @@ def _persistent(B, T, I, H, layers):
     return PersistentLSTM.from_torch(_lstm(I, H, layers)), torch.randn(B, T, I, device="cuda")
 
 
+def _cudnn_in(dtype):
+    """``nn.LSTM`` with parameters and input in ``dtype`` (cuDNN's path for it)."""
+
+    @_no_grad
+    def build(B, T, I, H, layers):
+        return _lstm(I, H, layers, dtype=dtype), torch.randn(B, T, I, device="cuda", dtype=dtype)
+    return build
+
+
+def _persistent_in(dtype):
+    """``PersistentLSTM`` of an ``nn.LSTM`` in ``dtype``, on an input in ``dtype``."""
+
+    @_no_grad
+    def build(B, T, I, H, layers):
+        from ..ops.lstm import PersistentLSTM
+
+        return (PersistentLSTM.from_torch(_lstm(I, H, layers, dtype=dtype)),
+                torch.randn(B, T, I, device="cuda", dtype=dtype))
+    return build
+
+
 @_no_grad
 def _padded_stage(B, T, I, H, layers):
     from ..ops.lstm.padded_torch import lstm_padded, lstm_weights
@@ -118,16 +148,16 @@ def _persistent_packed(B, T, I, H, layers):
     return model, pack(torch.randn(B, T, I, device="cuda"), _packed_lengths(B, T).cuda())
 
 
-def _floor_bytes(B, T, I, H, layers, frames=None):
+def _floor_bytes(B, T, I, H, layers, frames=None, element_size=4):
     frames = B * T if frames is None else frames
     weights = sum(4 * H * ((I if layer == 0 else 2 * H) + H + 2) * 2 for layer in range(layers))
-    return 4 * (frames * I + weights + frames * 2 * H + 2 * 2 * layers * B * H)
+    return element_size * (frames * I + weights + frames * 2 * H + 2 * 2 * layers * B * H)
 
 
 def cases() -> Iterable[Case]:
     step_ms = handoff_latency_ms()
-    notes = {"handoff_us": step_ms * 1e3}
     I, H, layers, T = PYANNOTE["I"], PYANNOTE["H"], PYANNOTE["layers"], PYANNOTE["T"]
+    notes = {"handoff_us": step_ms * 1e3, "layer_steps": T * layers}
     for H_case, batches in ((H, (1, 8, 32, 64, 128, 256)), (256, (32,))):
         for B in batches:
             shape = (B, T, I, H_case, layers)
@@ -153,3 +183,15 @@ def cases() -> Iterable[Case]:
         floor_ms=T * layers * step_ms,
         notes=dict(notes, frames=frames),
     )
+    for dtype in (torch.float16, torch.bfloat16):
+        name = str(dtype).replace("torch.", "")
+        for H_case, B in ((H, 1), (H, 32), (H, 128), (512, 32)):
+            shape = (B, T, I, H_case, layers)
+            yield Case(
+                workload=f"forward {name}",
+                params=dict(B=B, T=T, I=I, H=H_case, layers=layers),
+                providers={"cudnn": _cudnn_in(dtype)(*shape), "triton_persistent": _persistent_in(dtype)(*shape)},
+                floor_bytes=_floor_bytes(*shape, element_size=2),
+                floor_ms=T * layers * step_ms,
+                notes=notes,
+            )
