@@ -488,3 +488,23 @@ def test_half_keeps_the_cell_state_in_float32(device, dtype):
     assert torch.all((c.double() - expected).abs() <= ulp / 2 + 1e-6), (c, expected)
     assert torch.all(c.double() > 1), "the cell state must have grown"
     assert torch.allclose(h.double(), 0.5 * torch.tanh(torch.tensor(expected)).double(), atol=ulp), h
+
+
+@pytest.mark.parametrize("dtype", HALF_DTYPES, ids=str)
+def test_half_traced_call_runs_the_custom_op_in_the_dtype(device, dtype):
+    """A traced call of a float16 or bfloat16 module (each layer the custom op) computes what
+    the eager call does, bitwise; a FakeTensorMode call gives outputs of the dtype."""
+    lstm, _, _ = make_half_lstm(dtype, 4, 9, 2, True, device=device)
+    model = PersistentLSTM.from_torch(lstm)
+    lengths = torch.tensor([5, 2, 4], device=device)
+    padded = torch.randn(3, 5, 4, device=device).to(dtype)
+    with torch.no_grad():
+        traced = make_fx(lambda x, lengths: model(x, lengths=lengths))(padded, lengths)
+        assert _recurrence_calls(traced.graph) == 2
+        y, (h, c) = traced(padded, lengths)
+        y_eager, (h_eager, c_eager) = model(padded, lengths=lengths)
+        with FakeTensorMode(allow_non_fake_inputs=True):
+            fake_y, (fake_h, fake_c) = model(torch.empty(3, 5, 4, dtype=dtype, device=device))
+    assert y.dtype == h.dtype == c.dtype == dtype
+    assert torch.equal(y, y_eager) and torch.equal(h, h_eager) and torch.equal(c, c_eager)
+    assert (fake_y.dtype, fake_h.dtype, fake_c.dtype) == (dtype,) * 3 and fake_y.shape == (3, 5, 18)
