@@ -463,7 +463,7 @@ class PersistentLSTM(torch.nn.Module):
         why, once per reason."""
         if not runtime.on_kernel_device(data):
             return True  # a CPU tensor where the kernels are compiled for the GPU
-        if _autocast_enabled(data.device.type):
+        if runtime.autocast_enabled(data.device.type):
             self._say_once("autocast", f"autocast is enabled for {data.device.type}, so this call runs the wrapped "
                            "nn.LSTM, which gives nn.LSTM's dtypes and values under autocast; the Triton kernels "
                            "run outside autocast, in the dtype of the parameters")
@@ -531,7 +531,7 @@ class PersistentLSTM(torch.nn.Module):
     def _check_data(self, name, x, params):
         lstm = self.lstm
         # outside autocast, the parameters' dtype (checked to be one of PARAMETER_DTYPES)
-        dtypes = AUTOCAST_DTYPES if _autocast_enabled(x.device.type) else (params[0].dtype,)
+        dtypes = AUTOCAST_DTYPES if runtime.autocast_enabled(x.device.type) else (params[0].dtype,)
         validation.check_float_tensor(name, x, dtypes=dtypes)
         if x.shape[-1] != lstm.input_size:
             raise ValueError(
@@ -550,7 +550,7 @@ class PersistentLSTM(torch.nn.Module):
         lstm = self.lstm
         expected = (lstm.num_layers * self.num_directions, lstm.hidden_size) if unbatched else (
             lstm.num_layers * self.num_directions, batch, lstm.hidden_size)
-        dtypes = AUTOCAST_DTYPES if _autocast_enabled(x.device.type) else (lstm.weight_hh_l0.dtype,)
+        dtypes = AUTOCAST_DTYPES if runtime.autocast_enabled(x.device.type) else (lstm.weight_hh_l0.dtype,)
         checked = []
         for name, t in zip(("h0", "c0"), hx):
             validation.check_float_tensor(name, t, dtypes=dtypes)
@@ -559,13 +559,6 @@ class PersistentLSTM(torch.nn.Module):
             validation.check_same_device(**{x_name: x, name: t})
             checked.append(t.unsqueeze(1) if unbatched else t)
         return tuple(checked)
-
-
-def _autocast_enabled(device_type: str) -> bool:
-    try:
-        return torch.is_autocast_enabled(device_type)
-    except RuntimeError:  # a device type without autocast (meta)
-        return False
 
 
 _INNER_FILES = (os.path.dirname(os.path.dirname(os.path.dirname(__file__))), os.path.dirname(torch.nn.__file__))
