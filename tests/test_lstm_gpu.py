@@ -185,6 +185,20 @@ def test_large_batch_defaults(batch):
         assert_close("padded y", y, lstm(padded)[0], atol=ATOL, rtol=RTOL)
 
 
+def _captured(model, x):
+    """``model(x)`` warmed up on a side stream, then captured in a CUDA graph:
+    ``(graph, outputs)``; replaying the graph rewrites the outputs."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        model(x)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outputs = model(x)
+    return graph, outputs
+
+
 @pytest.mark.gpu_only
 def test_cuda_graph_replay_follows_weights_changed_through_data():
     """The kernels' weights are read from the parameters inside the captured graph: an
@@ -193,14 +207,7 @@ def test_cuda_graph_replay_follows_weights_changed_through_data():
     model = PersistentLSTM.from_torch(lstm)
     x = torch.randn(4, 30, 20, device="cuda")
     with torch.no_grad():
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            model(x)
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            y, (h, c) = model(x)
+        graph, (y, (h, c)) = _captured(model, x)
         for p in lstm.parameters():
             p.data.mul_(0.5)
         graph.replay()
@@ -393,14 +400,7 @@ def test_half_cuda_graph_capture_replays(dtype):
     model = PersistentLSTM.from_torch(lstm)
     x = torch.randn(8, 50, 60, device="cuda").to(dtype)
     with torch.no_grad():
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            model(x)
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            y, (h, c) = model(x)
+        graph, (y, (h, c)) = _captured(model, x)
         x.copy_(torch.randn_like(x))
         graph.replay()
         assert_outputs_close((y.float(), (h.float(), c.float())), f32(x.float()), atol=HALF_ATOL[dtype], rtol=0)
