@@ -1153,7 +1153,11 @@ def _launch_in_slices(launch, tensors, *arguments) -> torch.Tensor:
     each of :func:`_token_slices` (none for no tokens); the last argument is the configuration."""
     T, n, _ = tensors[0].shape
     out = torch.empty_like(tensors[0])
-    for part in _token_slices(T, n, arguments[-1].max_launch_elements):
+    parts = _token_slices(T, n, arguments[-1].max_launch_elements)
+    if len(parts) == 1:  # the common case, without the views (a few microseconds of host time each)
+        launch(out, *tensors, *arguments)
+        return out
+    for part in parts:
         launch(out[part], *(t[part] for t in tensors), *arguments)
     return out
 
