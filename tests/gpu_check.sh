@@ -123,7 +123,7 @@ sanitize() {  # tool, step name, workload arguments
   # land inside a larger block of the caching allocator
   [ "$tool" = memcheck ] && extra=(env PYTORCH_NO_CUDA_MEMORY_CACHING=1)
   step "$name" "${extra[@]}" compute-sanitizer --tool "$tool" --error-exitcode 9 --print-limit 20 \
-    "$PY" tests/sanitizer_workload.py "$@"
+    "$PY" tests/sanitizer_workload.py --progress "$@"
 }
 
 environment=$("$PY" -c "import torch, triton; n = torch.cuda.device_count(); \

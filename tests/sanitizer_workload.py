@@ -5,7 +5,7 @@ backward: the workload that ``compute-sanitizer`` checks on a GPU (see
 (float64 PyTorch, ``nn.LSTM``, exact expectations), so a run reports wrong results as
 well as bad accesses; the exit status is 1 when any comparison fails.
 
-``python tests/sanitizer_workload.py [--quick | --small] [SECTION ...]``
+``python tests/sanitizer_workload.py [--quick | --small] [--progress] [SECTION ...]``
 
 Sections (default: all but ``sinkhorn_tile``, which ``sinkhorn`` contains):
 
@@ -57,6 +57,10 @@ DEVICE = pk.runtime.KERNEL_DEVICE
 GPU = DEVICE == "cuda"
 QUICK = "--quick" in sys.argv
 SMALL = "--small" in sys.argv
+#: ``--progress``: a line per comparison, with the seconds since the start, so that a run
+#: stopped at its time limit (sanitizers slow every launch) shows how far it got
+PROGRESS = "--progress" in sys.argv
+_START = time.perf_counter()
 SECTIONS = ("packing", "ctc", "sinkhorn", "sinkhorn_tile", "segment", "lstm")
 DEFAULT_SECTIONS = ("packing", "ctc", "sinkhorn", "segment", "lstm")
 
@@ -87,11 +91,17 @@ def randn(shape, g, dtype=torch.float32, scale=1.0) -> torch.Tensor:
     return (torch.randn(shape, generator=g, dtype=torch.float64) * scale).to(DEVICE, dtype)
 
 
+def _count(name):
+    CHECKS[0] += 1
+    if PROGRESS:
+        print(f"  {CHECKS[0]:5d} {time.perf_counter() - _START:8.1f} s  {name}", flush=True)
+
+
 def check(name, actual, expected, tol, scale=None, floor=0.0):
     """``|actual - expected| <= tol * (scale + |expected|)``, ``scale`` the largest
     finite ``|expected|`` (at least ``floor``) unless given; NaN and infinities must sit
     in the same places."""
-    CHECKS[0] += 1
+    _count(name)
     if actual is None or expected is None:
         if actual is not expected:
             FAILURES.append(f"{name}: got {type(actual).__name__}, expected {type(expected).__name__}")
@@ -120,7 +130,7 @@ def check(name, actual, expected, tol, scale=None, floor=0.0):
 
 
 def check_equal(name, actual, expected):
-    CHECKS[0] += 1
+    _count(name)
     if actual.shape != expected.shape or actual.dtype != expected.dtype or not torch.equal(actual, expected):
         FAILURES.append(f"{name}: not bitwise equal ({tuple(actual.shape)} {actual.dtype} vs "
                         f"{tuple(expected.shape)} {expected.dtype})")
