@@ -518,7 +518,7 @@ def _as_rows(x: Tensor) -> Tensor:
 
 def _index(idx: Tensor) -> Tensor:
     # the kernels read idx as a dense int32 array (a strided view is copied once)
-    return idx if idx.is_contiguous() else idx.contiguous()
+    return idx.contiguous()
 
 
 def _sum(x, idx, num_segments, config=None):
