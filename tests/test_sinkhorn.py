@@ -194,6 +194,29 @@ def test_launchers_split_inputs_beyond_32_bit_offsets(device, n, iters):
         assert torch.equal(a, b), name
 
 
+def test_launch_in_slices_launches_once_per_slice():
+    # What the launchers hand each launch: the whole tensors themselves where one slice
+    # covers every token, else one view per slice, rows of the output in step with the inputs.
+    x, g = torch.randn(300, 4, 4), torch.randn(300, 4, 4)
+    config = triton_kernels.forward_config(4, torch.float32)
+    calls = []
+
+    def launch(out, a, b, iters, cfg):
+        calls.append((out, a, b))
+        out.copy_(a + b)
+
+    out = triton_kernels._launch_in_slices(launch, (x, g), 20, config)
+    assert len(calls) == 1 and calls[0][0] is out and calls[0][1] is x and calls[0][2] is g
+    assert torch.equal(out, x + g)
+    calls.clear()
+    limited = dataclasses.replace(config, max_launch_elements=130 * 16)
+    out = triton_kernels._launch_in_slices(launch, (x, g), 20, limited)
+    assert [c[1].shape[0] for c in calls] == [128, 128, 44]
+    assert [c[1].data_ptr() - x.data_ptr() for c in calls] == [0, 128 * 16 * 4, 256 * 16 * 4]
+    assert all(c[0].data_ptr() - out.data_ptr() == c[1].data_ptr() - x.data_ptr() for c in calls)
+    assert torch.equal(out, x + g)
+
+
 @pytest.mark.parametrize("n,iters", [(8, 20), (4, 30), (2, 40)], ids=lambda v: str(v))
 def test_unrolled_scratch_variant_loops_over_tiles(device, n, iters):
     # n = 8, or more iterations than the registers keep: u_t of every iteration goes to a
