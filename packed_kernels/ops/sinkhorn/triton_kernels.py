@@ -525,6 +525,151 @@ def sinkhorn_forward_small_kernel(logits_ptr, out_ptr, num_tokens, iters,
     _store_matrices(out_ptr, R_a, first, num_tokens, NN, ROWS, BITS)
 
 
+# ---------------------------------------------------------------------------------------
+# A token across a group of lanes, for n from 9 to 32 (the forward).
+#
+# A whole matrix of n >= 16 does not fit one thread's registers, and the tile layout
+# spreads it so that both sums of every half-step cross threads. Here the padded
+# ``N x N`` matrix is spread over ``N / 4`` lanes of one warp, each lane holding four
+# whole columns (``n`` row vectors of four entries each): a column sum is plain
+# arithmetic inside a lane, and a row sum adds four entries in a lane and then
+# ``log2(N / 4)`` butterfly shuffles across the group. Each lane reads its part of a
+# row as one 16-byte load, the group a whole row, so the loads stay coalesced.
+
+#: columns of a matrix each lane of a column group holds
+_GROUP_COLUMNS = 4  # (written as 4 inside the kernels)
+
+
+@triton.jit
+def _column_group_offsets(first, i, num_tokens, n: tl.constexpr, ROWS: tl.constexpr, LANES: tl.constexpr):
+    """Offsets ``[ROWS, 4 LANES]`` of row ``i`` of ``ROWS`` tokens from ``first`` on, and the
+    mask of real entries. (Two-dimensional, so that Triton lays a row's contiguous
+    entries along the lanes: four to a lane, the row across ``LANES`` lanes.)"""
+    tok = first + tl.arange(0, ROWS)
+    col = tl.arange(0, LANES * 4)[None, :]
+    return tok[:, None] * (n * n) + i * n + col, (tok[:, None] < num_tokens) & (col < n)
+
+
+@triton.jit
+def _load_column_group(ptr, first, num_tokens, n: tl.constexpr, ROWS: tl.constexpr, LANES: tl.constexpr,
+                       COMPUTE: tl.constexpr):
+    """Entries ``x[4 i + c]``, ``[ROWS, LANES]`` each (lane ``l``: column ``4 l + c`` of row
+    ``i``), 0 outside the matrices, of ``ROWS`` tokens from ``first`` on."""
+    x = ()
+    for i in tl.static_range(n):
+        offsets, mask = _column_group_offsets(first, i, num_tokens, n, ROWS, LANES)
+        row = tl.load(ptr + offsets, mask=mask, other=0.0).to(COMPUTE)
+        even, odd = tl.split(tl.reshape(row, (ROWS, LANES, 2, 2)))
+        c0, c2 = tl.split(even)
+        c1, c3 = tl.split(odd)
+        x = x + (c0, c1, c2, c3)
+    return x
+
+
+@triton.jit
+def _store_column_group(ptr, entries, first, num_tokens, n: tl.constexpr, ROWS: tl.constexpr,
+                        LANES: tl.constexpr):
+    """Inverse of :func:`_load_column_group`."""
+    for i in tl.static_range(n):
+        offsets, mask = _column_group_offsets(first, i, num_tokens, n, ROWS, LANES)
+        even = tl.join(entries[4 * i], entries[4 * i + 2])
+        odd = tl.join(entries[4 * i + 1], entries[4 * i + 3])
+        row = tl.reshape(tl.join(even, odd), (ROWS, LANES * 4))
+        tl.store(ptr + offsets, row.to(ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _group_columns_real(n: tl.constexpr, LANES: tl.constexpr):
+    """The four ``[1, LANES]`` masks of the columns ``4 l + c < n`` a lane holds."""
+    base = tl.arange(0, LANES)[None, :] * 4
+    return base < n, base + 1 < n, base + 2 < n, base + 3 < n
+
+
+@triton.jit
+def _group_balanced_exp(x, real, n: tl.constexpr):
+    """``(u0, K)`` of :func:`_balanced_exp` for column-group entries ``x``: ``K`` as
+    ``4 n`` entries ``[ROWS, LANES]``, ``u0`` as ``n`` vectors ``[ROWS]``; padded
+    columns (``real`` false) get ``K = 0``."""
+    col_max = ()
+    for c in tl.static_range(4):
+        m = x[c]
+        for i in tl.static_range(1, n):
+            m = tl.maximum(m, x[4 * i + c])
+        col_max = col_max + (m,)
+    K = ()
+    u0 = ()
+    for i in tl.static_range(n):
+        shifted = ()
+        for c in tl.static_range(4):
+            shifted = shifted + (tl.where(real[c], x[4 * i + c] - col_max[c], float("-inf")),)
+        rho = tl.max(tl.maximum(tl.maximum(shifted[0], shifted[1]), tl.maximum(shifted[2], shifted[3])), axis=1)
+        for c in tl.static_range(4):
+            K = K + (tl.exp(shifted[c] - rho[:, None]),)
+        u0 = u0 + (tl.exp(rho),)
+    return u0, K
+
+
+@triton.jit
+def _group_column_step(K, u, real, n: tl.constexpr, FAST: tl.constexpr):
+    """``v = 1 / (K^T u)`` for a lane's four columns (column-group entries); a padded column
+    sums to 0 and gets ``v = 0``, so that ``K v`` meets no ``0 * inf``."""
+    v = ()
+    for c in tl.static_range(4):
+        s = K[c] * u[0][:, None]
+        for i in tl.static_range(1, n):
+            s += K[4 * i + c] * u[i][:, None]
+        v = v + (tl.where(real[c], _reciprocal(tl.where(real[c], s, 1.0), FAST), 0.0),)
+    return v
+
+
+@triton.jit
+def _group_row_step(K, v, n: tl.constexpr, FAST: tl.constexpr):
+    """``u = 1 / (K v)``: each lane adds its four columns, the group adds the lanes' parts."""
+    u = ()
+    for i in tl.static_range(n):
+        part = K[4 * i] * v[0]
+        for c in tl.static_range(1, 4):
+            part += K[4 * i + c] * v[c]
+        u = u + (_reciprocal(tl.sum(part, axis=1), FAST),)
+    return u
+
+
+@triton.jit
+def _group_scaled_entries(u, K, v, n: tl.constexpr):
+    """``diag(u) K diag(v)`` on column-group entries."""
+    R = ()
+    for k in tl.static_range(4 * n):
+        R = R + (K[k] * u[k // 4][:, None] * v[k % 4],)
+    return R
+
+
+@triton.jit
+def sinkhorn_forward_group_kernel(logits_ptr, out_ptr, num_tokens, iters,
+                                  n: tl.constexpr, LANES: tl.constexpr, BLOCK: tl.constexpr,
+                                  ABSORB: tl.constexpr, FAST: tl.constexpr, COMPUTE: tl.constexpr):
+    """Forward for ``n`` from 9 to 32, each token across ``LANES = N / 4`` lanes.
+
+    The map of :func:`sinkhorn_forward_small_kernel` on the scaling vectors: a lane
+    computes ``v = 1 / (K^T u)`` for its four columns, then its four-column part of
+    ``K v`` for every row, which the group adds up into ``u = 1 / (K v)`` (each lane
+    then holds all of ``u``); every ``ABSORB`` iterations ``K = diag(u) K diag(v)``,
+    ``u = 1`` (:func:`absorb_period`). Padded columns (``n`` not a multiple of 4 or
+    ``N < 4 LANES``) hold ``K = 0`` and ``v = 0``; rows beyond ``n`` do not exist.
+    """
+    first = tl.program_id(0) * BLOCK
+    real = _group_columns_real(n, LANES)
+    x = _load_column_group(logits_ptr, first, num_tokens, n, BLOCK, LANES, COMPUTE)
+    u, K = _group_balanced_exp(x, real, n)
+    v = (K[0], K[1], K[2], K[3])
+    for start in range(0, iters, ABSORB):
+        for _ in range(start, tl.minimum(start + ABSORB, iters)):
+            v = _group_column_step(K, u, real, n, FAST)
+            u = _group_row_step(K, v, n, FAST)
+        K = _group_scaled_entries(u, K, v, n)
+        u = _ones(n, BLOCK, COMPUTE)
+    _store_column_group(out_ptr, K, first, num_tokens, n, BLOCK, LANES)
+
+
 @triton.jit
 def sinkhorn_implicit_backward_small_kernel(R_ptr, grad_ptr, out_ptr, num_tokens, cut,
                                             n: tl.constexpr, BITS: tl.constexpr, BLOCK: tl.constexpr,
@@ -999,10 +1144,14 @@ class Layout(enum.Enum):
     TILE = "tile"
     #: whole matrices in one thread's registers (``n`` in 2, 4, 8)
     TOKEN_PER_THREAD = "token per thread"
+    #: a matrix across ``N / 4`` lanes of a warp, four columns a lane (the forward, ``n`` from 9 to 32)
+    COLUMN_GROUP = "column group"
 
 
 #: ``n`` the one-token-per-thread kernels are written for
 _TOKEN_PER_THREAD_N = (2, 4, 8)
+#: ``n`` the column-group forward takes (at least two lanes of four columns)
+_COLUMN_GROUP_N = range(9, MAX_KERNEL_N + 1)
 #: most elements one launch touches per tensor: the kernels index within a launch with
 #: 32-bit offsets, so the launchers run bigger inputs in slices of whole tokens
 _MAX_LAUNCH_ELEMENTS = 1 << 30
@@ -1053,11 +1202,18 @@ class UnrolledBackwardConfig(LaunchConfig):
     absorb_every: int
 
 
-def _layout(n: int, layout: Optional[Layout], token_per_thread_possible: bool = True) -> Layout:
-    """``layout``, or the default for ``n``: one token per thread wherever its kernel exists."""
+def _layout(n: int, layout: Optional[Layout], token_per_thread_possible: bool = True,
+            column_group_possible: bool = False) -> Layout:
+    """``layout``, or the default for ``n``: one token per thread, else a column group,
+    wherever its kernel exists, else tiles."""
     possible = token_per_thread_possible and n in _TOKEN_PER_THREAD_N
+    group = column_group_possible and n in _COLUMN_GROUP_N
     if layout is None:
-        return Layout.TOKEN_PER_THREAD if possible else Layout.TILE
+        return Layout.TOKEN_PER_THREAD if possible else Layout.COLUMN_GROUP if group else Layout.TILE
+    if layout is Layout.COLUMN_GROUP and not group:
+        which = (f"n from {_COLUMN_GROUP_N.start} to {_COLUMN_GROUP_N.stop - 1}" if column_group_possible
+                 else "the forward only")
+        raise ValueError(f"layout Layout.COLUMN_GROUP takes {which}; got n = {n}")
     if layout is Layout.TOKEN_PER_THREAD and not possible:
         solve = "" if token_per_thread_possible else " and solve directly (cg_iters None)"
         raise ValueError(f"layout must be Layout.TILE: the one-token-per-thread kernels take n in "
@@ -1078,10 +1234,20 @@ def _token_per_thread_block(n: int, dtype: torch.dtype) -> int:
     return 128 if n <= 4 and dtype != torch.float64 else 64
 
 
+def _group_lanes(n: int) -> int:
+    """Lanes a column-group kernel spreads one ``n x n`` matrix over."""
+    return runtime.next_power_of_2(n) // _GROUP_COLUMNS
+
+
 @functools.lru_cache(maxsize=None)
 def forward_config(n: int, dtype: torch.dtype, *, layout: Optional[Layout] = None) -> ForwardConfig:
     """The forward's configuration for ``n x n`` matrices of ``dtype`` (``layout``: force one)."""
-    layout = _layout(n, layout)
+    layout = _layout(n, layout, column_group_possible=True)
+    if layout is Layout.COLUMN_GROUP:
+        # four warps a program, one warp covering 32 / lanes tokens
+        block = 128 // _group_lanes(n)
+        return ForwardConfig(layout=layout, block=block, num_warps=4, staggered=False, reciprocal_pairs=0,
+                             absorb_every=absorb_period(n))
     if layout is Layout.TILE:
         N = runtime.next_power_of_2(n)
         block = _tile_block(N, 2048)
@@ -1182,6 +1348,11 @@ def _launch_forward(out, logits, iters, config: ForwardConfig):
                                             FAST=_fast(logits.dtype),
                                             COMPUTE=_compute_dtype(logits.dtype), STAGGER=config.staggered,
                                             PAIRS=config.reciprocal_pairs, num_warps=config.num_warps)
+        return
+    if config.layout is Layout.COLUMN_GROUP:
+        sinkhorn_forward_group_kernel[grid](logits, out, T, iters, n=n, LANES=_group_lanes(n), BLOCK=config.block,
+                                            ABSORB=config.absorb_every, FAST=_fast(logits.dtype),
+                                            COMPUTE=_compute_dtype(logits.dtype), num_warps=config.num_warps)
         return
     N = runtime.next_power_of_2(n)
     sinkhorn_forward_kernel[grid](logits, out, T, iters, n=n, N=N, BLOCK=config.block,
