@@ -3,14 +3,16 @@
 Every token's matrix is independent, so a program takes a tile of ``BLOCK`` tokens
 (``BLOCK * n * n`` contiguous elements: one wide, coalesced load) and keeps the whole
 tile in registers. Each kernel reads its inputs once and writes its output once: all
-iterations happen on chip. Two layouts (:class:`Layout`):
+iterations happen on chip. Three layouts (:class:`Layout`):
 
 * tile kernels (any ``n`` up to :data:`MAX_KERNEL_N`): the tile as ``[BLOCK, N, N]``,
   padded to ``N`` the next power of two of ``n``; padded rows and columns hold exact
   zeros and never enter a sum;
 * one-token-per-thread kernels (``n`` in 2, 4, 8): the tile split in registers into
   ``n * n`` vectors of ``BLOCK`` tokens, so that a thread owns whole matrices (see the
-  section below).
+  section below);
+* the column-group forward (``n`` from 9 to 32): each matrix across ``N / 4`` lanes of
+  one warp, four whole columns a lane (see its section).
 
 Range. Every kernel starts from the balanced matrix of :func:`_balanced_exp`,
 ``K = exp(X - c_j - rho_i)`` (``c_j`` the column maxima, ``rho_i`` the row maxima of
