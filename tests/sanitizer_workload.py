@@ -360,7 +360,9 @@ def _grad_scale(want, grad_R) -> float:
 
 
 def _tile_layout(n: int) -> bool:
-    return sinkhorn_kernels.forward_config(n, torch.float32).layout is sinkhorn_kernels.Layout.TILE
+    # the backwards run the tile kernels wherever they do not take one token a thread
+    # (the forward from n = 9 to 32 runs column groups, which share no memory)
+    return sinkhorn_kernels.unrolled_backward_config(n, torch.float32, 20).layout is sinkhorn_kernels.Layout.TILE
 
 
 def sinkhorn(tile_only: bool = False):

@@ -4,8 +4,9 @@ Sizes: 64K, 1M and 4M tokens at n = 4 (the mHC case), then n = 8, 16, 32 at the
 bytes of 4M tokens at n = 4. Providers:
 
 * ``triton``: the package's kernels (``triton_unrolled`` for the unrolled backward
-  in ``fwd+bwd``); ``triton_tile``: the tile kernels where the one-token-per-thread
-  kernels are the default (n = 4, 8), to show what that layout is worth;
+  in ``fwd+bwd``); ``triton_tile``: the tile kernels where another layout is the
+  default (one token per thread at n = 4 and 8, the forward's column groups at n = 16
+  and 32), to show what that layout is worth;
 * ``torch_loop``: the padded PyTorch stage, autograd through the 20-iteration loop;
 * ``torch_cg``: the padded PyTorch implicit backward (batched conjugate gradient,
   ``2n`` steps);
@@ -123,13 +124,15 @@ def cases() -> Iterable[Case]:
     from ..ops.sinkhorn.triton_kernels import Layout, forward_config
 
     for n, tokens in _SIZES:
-        # the tile kernels too where the one-token-per-thread kernels take over
+        # the tile kernels too where another layout takes over (the backwards' other
+        # layout is one token per thread, so their tile rows follow that one alone)
+        fwd_tile = forward_config(n, torch.float32).layout is not Layout.TILE
         tile = ("triton_tile",) if forward_config(n, torch.float32).layout is Layout.TOKEN_PER_THREAD else ()
         params = {"n": n, "tokens": tokens}
         matrix_bytes = tokens * n * n * 4
         notes = {"iters": ITERS, "bytes_per_token_fwd": 2 * n * n * 4}
         fwd = {"triton": _fwd_triton("triton", n, tokens), "torch_loop": _fwd_torch(n, tokens)}
-        if tile:
+        if fwd_tile:
             fwd["triton_tile"] = _fwd_triton("triton_tile", n, tokens)
         yield Case("fwd", params, fwd, floor_bytes=2 * matrix_bytes, notes=notes)
         yield Case("bwd_implicit", params,
