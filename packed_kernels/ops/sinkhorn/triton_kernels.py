@@ -1231,6 +1231,17 @@ def _tile_warps(block: int, N: int) -> int:
     return 4 if block * N * N <= 2048 else 8
 
 
+def _backward_tile_shape(N: int, elements_per_program: int):
+    """``(block, num_warps)`` of a backward's tile. From ``N = 16`` on a program is one
+    warp holding one matrix: the solve and the reverse sweep reduce along both axes
+    many times a matrix, which inside a warp are shuffles, and across warps shared
+    memory and a barrier each."""
+    if N >= 16:
+        return 1, 1
+    block = _tile_block(N, elements_per_program)
+    return block, _tile_warps(block, N)
+
+
 def _token_per_thread_block(n: int, dtype: torch.dtype) -> int:
     # one token per thread (block // 32 warps); fewer tokens where a token needs many registers
     return 128 if n <= 4 and dtype != torch.float64 else 64
@@ -1271,9 +1282,8 @@ def implicit_backward_config(n: int, dtype: torch.dtype, conjugate_gradient: boo
     """The implicit backward's configuration (the one-token-per-thread kernel solves directly only)."""
     layout = _layout(n, layout, token_per_thread_possible=not conjugate_gradient)
     if layout is Layout.TILE:
-        N = runtime.next_power_of_2(n)
-        block = _tile_block(N, 1024)
-        return ImplicitBackwardConfig(layout=layout, block=block, num_warps=_tile_warps(block, N))
+        block, num_warps = _backward_tile_shape(runtime.next_power_of_2(n), 1024)
+        return ImplicitBackwardConfig(layout=layout, block=block, num_warps=num_warps)
     block = _token_per_thread_block(n, dtype)
     return ImplicitBackwardConfig(layout=layout, block=block, num_warps=max(1, block // 32))
 
@@ -1284,9 +1294,8 @@ def unrolled_backward_config(n: int, dtype: torch.dtype, iters: int, *,
     """The unrolled backward's configuration for ``iters`` iterations."""
     layout = _layout(n, layout)
     if layout is Layout.TILE:
-        N = runtime.next_power_of_2(n)
-        block = _tile_block(N, 512)
-        return UnrolledBackwardConfig(layout=layout, block=block, num_warps=_tile_warps(block, N), scratch=False,
+        block, num_warps = _backward_tile_shape(runtime.next_power_of_2(n), 512)
+        return UnrolledBackwardConfig(layout=layout, block=block, num_warps=num_warps, scratch=False,
                                       max_registers=None, scratch_programs_per_sm=0, absorb_every=absorb_period(n))
     # most iterations whose scaling vectors the registers hold, per n
     scratch = iters > {2: 32, 4: 24, 8: 0}[n]
