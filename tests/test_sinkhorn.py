@@ -23,7 +23,7 @@ from sinkhorn_cases import (NS, birkhoff, implicit_reference, loop_reference, ra
 TOKEN_PER_THREAD_N = [2, 4, 8]
 STAGGERED_N = [2, 4]
 #: n of the forward that spreads a matrix over n/4 lanes of a warp (powers of two and not)
-COLUMN_GROUP_N = [9, 12, 16, 17, 24, 32]
+COLUMN_GROUP_N = [9, 16, 17, 32]
 
 
 def _forward_triton(x, iters, layout=None, **fields):
@@ -156,27 +156,33 @@ def test_one_token_per_thread_kernels_match_tile_kernels(device, n, dtype):
 
 @pytest.mark.parametrize("n", COLUMN_GROUP_N, ids=lambda n: f"n{n}")
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=str)
-def test_column_group_forward_matches_tile_forward(device, n, dtype):
-    # From n = 9 to 32 the forward spreads a matrix over n/4 lanes by default (row sums
-    # by shuffles, padded columns masked where n is not a power of two); the tile kernel
-    # is the one checked against the references at every n.
+def test_column_group_kernels_match_tile_kernels(device, n, dtype):
+    # From n = 9 to 32 the forward and the direct implicit backward spread a matrix over
+    # n/4 lanes by default (sums across the group by shuffles, padded columns masked
+    # where n is not a multiple of four); the tile kernels are the ones checked against
+    # the references at every n.
     assert triton_kernels.forward_config(n, dtype).layout is Layout.COLUMN_GROUP
+    assert triton_kernels.implicit_backward_config(n, dtype, False).layout is Layout.COLUMN_GROUP
     x = random_logits((37, n, n), 3.0, seed=800 + n, dtype=dtype).to(device)
+    g = random_logits((37, n, n), 1.0, seed=900 + n, dtype=dtype).to(device)
     tol = dict(atol=1e-13, rtol=1e-11) if dtype == torch.float64 else dict(atol=2e-5, rtol=2e-4)
-    for iters in (1, 20):
-        R = _forward_triton(x, iters)
-        assert_close(f"it{iters}", R, _forward_triton(x, iters, layout=Layout.TILE), **tol)
+    R = _forward_triton(x, 20)
+    assert_close("forward", R, _forward_triton(x, 20, layout=Layout.TILE), **tol)
     # the last step normalises rows: each sums to one, no padded column counted in its sum
     assert_close("row sums", R.sum(-1), torch.ones_like(R[..., 0]), atol=1e-5, rtol=0)
+    assert_close("implicit", _implicit_triton(R, g), _implicit_triton(R, g, layout=Layout.TILE), **tol)
 
 
 @pytest.mark.parametrize("n", [8, 33], ids=lambda n: f"n{n}")
-def test_column_group_layout_only_where_its_kernel_exists(n):
+def test_column_group_layout_only_where_its_kernels_exist(n):
     with pytest.raises(ValueError, match="Layout.COLUMN_GROUP"):
         triton_kernels.forward_config(n, torch.float32, layout=Layout.COLUMN_GROUP)
+    with pytest.raises(ValueError, match="Layout.COLUMN_GROUP"):
+        triton_kernels.implicit_backward_config(n, torch.float32, False, layout=Layout.COLUMN_GROUP)
+    # conjugate gradient and the unrolled backward have tile kernels only
     for config in (lambda: triton_kernels.implicit_backward_config(16, torch.float32, True, layout=Layout.COLUMN_GROUP),
                    lambda: triton_kernels.unrolled_backward_config(16, torch.float32, 5, layout=Layout.COLUMN_GROUP)):
-        with pytest.raises(ValueError, match="forward only"):
+        with pytest.raises(ValueError, match="direct implicit backward only"):
             config()
 
 
@@ -292,8 +298,9 @@ def test_implicit_backward_matches_least_squares_on_doubly_stochastic(device, n)
     assert_close("implicit fp32 direct", got32, ref, atol=2e-6 * float(g.abs().max()), rtol=1e-4)
 
 
-#: n and layout of the implicit kernels' elimination: tiles (padded at 3 and 5), and both at 4
-NEAR_PERMUTATION_CASES = [(3, None), (4, None), (4, Layout.TILE), (5, None)]
+#: n and layout of the implicit kernels' elimination: tiles (padded at 3 and 5), both
+#: kernels at 4, and column groups at 16 and 17 (a padded group)
+NEAR_PERMUTATION_CASES = [(3, None), (4, None), (4, Layout.TILE), (5, None), (16, None), (17, None)]
 
 
 def _case_id(case):

@@ -553,18 +553,37 @@ def _column_group_offsets(first, i, num_tokens, n: tl.constexpr, ROWS: tl.conste
 
 
 @triton.jit
+def _load_group_row(ptr, first, i, num_tokens, n: tl.constexpr, ROWS: tl.constexpr, LANES: tl.constexpr,
+                    COMPUTE: tl.constexpr):
+    """Row ``i`` as four ``[ROWS, LANES]`` columns (lane ``l``, column ``c``: entry ``4 l + c``),
+    0 outside the matrices."""
+    offsets, mask = _column_group_offsets(first, i, num_tokens, n, ROWS, LANES)
+    row = tl.load(ptr + offsets, mask=mask, other=0.0).to(COMPUTE)
+    even, odd = tl.split(tl.reshape(row, (ROWS, LANES, 2, 2)))
+    c0, c2 = tl.split(even)
+    c1, c3 = tl.split(odd)
+    return c0, c1, c2, c3
+
+
+@triton.jit
+def _store_group_row(ptr, entries, first, i, num_tokens, n: tl.constexpr, ROWS: tl.constexpr,
+                     LANES: tl.constexpr):
+    """Inverse of :func:`_load_group_row`: the four columns ``entries`` as row ``i``."""
+    offsets, mask = _column_group_offsets(first, i, num_tokens, n, ROWS, LANES)
+    even = tl.join(entries[0], entries[2])
+    odd = tl.join(entries[1], entries[3])
+    row = tl.reshape(tl.join(even, odd), (ROWS, LANES * 4))
+    tl.store(ptr + offsets, row.to(ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
 def _load_column_group(ptr, first, num_tokens, n: tl.constexpr, ROWS: tl.constexpr, LANES: tl.constexpr,
                        COMPUTE: tl.constexpr):
     """Entries ``x[4 i + c]``, ``[ROWS, LANES]`` each (lane ``l``: column ``4 l + c`` of row
     ``i``), 0 outside the matrices, of ``ROWS`` tokens from ``first`` on."""
     x = ()
     for i in tl.static_range(n):
-        offsets, mask = _column_group_offsets(first, i, num_tokens, n, ROWS, LANES)
-        row = tl.load(ptr + offsets, mask=mask, other=0.0).to(COMPUTE)
-        even, odd = tl.split(tl.reshape(row, (ROWS, LANES, 2, 2)))
-        c0, c2 = tl.split(even)
-        c1, c3 = tl.split(odd)
-        x = x + (c0, c1, c2, c3)
+        x = x + _load_group_row(ptr, first, i, num_tokens, n, ROWS, LANES, COMPUTE)
     return x
 
 
@@ -573,11 +592,8 @@ def _store_column_group(ptr, entries, first, num_tokens, n: tl.constexpr, ROWS: 
                         LANES: tl.constexpr):
     """Inverse of :func:`_load_column_group`."""
     for i in tl.static_range(n):
-        offsets, mask = _column_group_offsets(first, i, num_tokens, n, ROWS, LANES)
-        even = tl.join(entries[4 * i], entries[4 * i + 2])
-        odd = tl.join(entries[4 * i + 1], entries[4 * i + 3])
-        row = tl.reshape(tl.join(even, odd), (ROWS, LANES * 4))
-        tl.store(ptr + offsets, row.to(ptr.dtype.element_ty), mask=mask)
+        _store_group_row(ptr, (entries[4 * i], entries[4 * i + 1], entries[4 * i + 2], entries[4 * i + 3]),
+                         first, i, num_tokens, n, ROWS, LANES)
 
 
 @triton.jit
@@ -670,6 +686,123 @@ def sinkhorn_forward_group_kernel(logits_ptr, out_ptr, num_tokens, iters,
         K = _group_scaled_entries(u, K, v, n)
         u = _ones(n, BLOCK, COMPUTE)
     _store_column_group(out_ptr, K, first, num_tokens, n, BLOCK, LANES)
+
+
+@triton.jit
+def _group_entry(x, lane, src: tl.constexpr):
+    """What lane ``src`` of each group holds in ``x`` (``[ROWS, LANES]``), in every lane (``[ROWS]``)."""
+    return tl.sum(tl.where(lane == src, x, 0.0), axis=1)
+
+
+@triton.jit
+def _group_row_sum(x0, x1, x2, x3):
+    """The sum over a row's entries, four columns a lane: ``[ROWS]``, in every lane."""
+    return tl.sum((x0 + x1) + (x2 + x3), axis=1)
+
+
+@triton.jit
+def sinkhorn_implicit_backward_group_kernel(R_ptr, grad_ptr, out_ptr, num_tokens, cut,
+                                            n: tl.constexpr, LANES: tl.constexpr, BLOCK: tl.constexpr,
+                                            COMPUTE: tl.constexpr):
+    """The direct implicit backward of :func:`sinkhorn_implicit_backward_kernel` for ``n``
+    from 9 to 32, each token across ``LANES = N / 4`` lanes, four columns a lane.
+
+    Same equations and elimination (Kron reduction onto column 0, links below
+    ``cut * colsum`` cut). A lane holds its four columns of the edge weights
+    ``W = R^T diag(1/r) R`` (every row ``j``) and of ``h``, ``c``, ``beta``:
+
+    * one pass over the rows of ``R`` and ``dR`` builds ``h``, ``c`` and ``W``, each row's
+      entries handed to every lane of the group by a reduction over the lanes;
+    * eliminating column ``p`` takes its pivot, ``h_p`` and ``W[j, p]`` (``j < p``) from
+      the lane holding ``p``; the row ``W[p, :]`` every lane needs is its own (``W`` is
+      symmetric). Columns at or beyond ``p`` are updated too, saving a mask: those
+      entries are never read again, and the back substitution masks them;
+    * back substitution adds each lane's ``W[p, q] beta_q`` (``q < p``) over the group;
+      the lane holding ``p`` keeps ``beta_p``;
+    * a second pass over the rows (from cache) forms ``alpha`` and ``dX``.
+    """
+    first = tl.program_id(0) * BLOCK
+    lane = tl.arange(0, LANES)[None, :]
+    zero = tl.zeros((BLOCK, LANES), dtype=COMPUTE)
+    h = (zero, zero, zero, zero)
+    mass = (zero, zero, zero, zero)
+    W = ()
+    for k in tl.static_range(4 * n):
+        W = W + (zero,)
+    for i in range(n):
+        R_i = _load_group_row(R_ptr, first, i, num_tokens, n, BLOCK, LANES, COMPUTE)
+        dR_i = _load_group_row(grad_ptr, first, i, num_tokens, n, BLOCK, LANES, COMPUTE)
+        r_i = _group_row_sum(R_i[0], R_i[1], R_i[2], R_i[3])
+        a_i = _group_row_sum(R_i[0] * dR_i[0], R_i[1] * dR_i[1], R_i[2] * dR_i[2], R_i[3] * dR_i[3])
+        inv_r = tl.where(r_i > 0, 1.0 / tl.where(r_i > 0, r_i, 1.0), 0.0)[:, None]
+        s_i = a_i[:, None] * inv_r
+        h = (h[0] + R_i[0] * (dR_i[0] - s_i), h[1] + R_i[1] * (dR_i[1] - s_i),
+             h[2] + R_i[2] * (dR_i[2] - s_i), h[3] + R_i[3] * (dR_i[3] - s_i))
+        mass = (mass[0] + R_i[0], mass[1] + R_i[1], mass[2] + R_i[2], mass[3] + R_i[3])
+        scaled = (R_i[0] * inv_r, R_i[1] * inv_r, R_i[2] * inv_r, R_i[3] * inv_r)
+        new_W = ()
+        for j in tl.static_range(n):
+            R_ij = _group_entry(R_i[j % 4], lane, j // 4)[:, None]
+            for c in tl.static_range(4):
+                new_W = new_W + (W[4 * j + c] + R_ij * scaled[c],)
+        W = new_W
+
+    inv_pivot = (zero, zero, zero, zero)  # of the lane's columns: 1 / pivot, 0 where cut
+    for p in tl.static_range(n - 1, 0, -1):
+        part = W[p % 4]
+        for q in tl.static_range(1, p):
+            part += W[4 * q + p % 4]
+        # Links weaker than rounding level are cut (see sinkhorn_implicit_backward_kernel).
+        holder = lane == p // 4
+        pivot = tl.sum(tl.where(holder & (part > cut * mass[p % 4]), part, 0.0), axis=1)
+        inv = tl.where(pivot > 0, 1.0 / tl.where(pivot > 0, pivot, 1.0), 0.0)[:, None]
+        h_p = _group_entry(h[p % 4], lane, p // 4)[:, None]
+        row_p = (W[4 * p] * inv, W[4 * p + 1] * inv, W[4 * p + 2] * inv, W[4 * p + 3] * inv)
+        new_h = ()
+        new_inv = ()
+        for c in tl.static_range(4):
+            new_h = new_h + (tl.where(4 * lane + c < p, h[c] + row_p[c] * h_p, h[c]),)
+            if c == p % 4:
+                new_inv = new_inv + (tl.where(holder, inv, inv_pivot[c]),)
+            else:
+                new_inv = new_inv + (inv_pivot[c],)
+        h = new_h
+        inv_pivot = new_inv
+        new_W = ()
+        for j in tl.static_range(n):
+            if j < p:
+                w_jp = _group_entry(W[4 * j + p % 4], lane, p // 4)[:, None]
+                for c in tl.static_range(4):
+                    new_W = new_W + (W[4 * j + c] + w_jp * row_p[c],)
+            else:
+                for c in tl.static_range(4):
+                    new_W = new_W + (W[4 * j + c],)
+        W = new_W
+
+    beta = (zero, zero, zero, zero)  # beta_0 = 0 grounds the solution
+    for p in tl.static_range(1, n):
+        part = tl.where(4 * lane < p, W[4 * p] * beta[0], 0.0)
+        for c in tl.static_range(1, 4):
+            part += tl.where(4 * lane + c < p, W[4 * p + c] * beta[c], 0.0)
+        beta_p = (h[p % 4] + tl.sum(part, axis=1)[:, None]) * inv_pivot[p % 4]
+        new_beta = ()
+        for c in tl.static_range(4):
+            if c == p % 4:
+                new_beta = new_beta + (tl.where(lane == p // 4, beta_p, beta[c]),)
+            else:
+                new_beta = new_beta + (beta[c],)
+        beta = new_beta
+
+    for i in range(n):
+        R_i = _load_group_row(R_ptr, first, i, num_tokens, n, BLOCK, LANES, COMPUTE)
+        dR_i = _load_group_row(grad_ptr, first, i, num_tokens, n, BLOCK, LANES, COMPUTE)
+        r_i = _group_row_sum(R_i[0], R_i[1], R_i[2], R_i[3])
+        a_i = _group_row_sum(R_i[0] * dR_i[0], R_i[1] * dR_i[1], R_i[2] * dR_i[2], R_i[3] * dR_i[3])
+        s_i = _group_row_sum(R_i[0] * beta[0], R_i[1] * beta[1], R_i[2] * beta[2], R_i[3] * beta[3])
+        alpha = (tl.where(r_i > 0, 1.0 / tl.where(r_i > 0, r_i, 1.0), 0.0) * (a_i - s_i))[:, None]
+        dX = (R_i[0] * (dR_i[0] - alpha - beta[0]), R_i[1] * (dR_i[1] - alpha - beta[1]),
+              R_i[2] * (dR_i[2] - alpha - beta[2]), R_i[3] * (dR_i[3] - alpha - beta[3]))
+        _store_group_row(out_ptr, dX, first, i, num_tokens, n, BLOCK, LANES)
 
 
 @triton.jit
@@ -1214,7 +1347,7 @@ def _layout(n: int, layout: Optional[Layout], token_per_thread_possible: bool = 
         return Layout.TOKEN_PER_THREAD if possible else Layout.COLUMN_GROUP if group else Layout.TILE
     if layout is Layout.COLUMN_GROUP and not group:
         which = (f"n from {_COLUMN_GROUP_N.start} to {_COLUMN_GROUP_N.stop - 1}" if column_group_possible
-                 else "the forward only")
+                 else "the forward and the direct implicit backward only")
         raise ValueError(f"layout Layout.COLUMN_GROUP takes {which}; got n = {n}")
     if layout is Layout.TOKEN_PER_THREAD and not possible:
         solve = "" if token_per_thread_possible else " and solve directly (cg_iters None)"
@@ -1280,7 +1413,10 @@ def forward_config(n: int, dtype: torch.dtype, *, layout: Optional[Layout] = Non
 def implicit_backward_config(n: int, dtype: torch.dtype, conjugate_gradient: bool, *,
                              layout: Optional[Layout] = None) -> ImplicitBackwardConfig:
     """The implicit backward's configuration (the one-token-per-thread kernel solves directly only)."""
-    layout = _layout(n, layout, token_per_thread_possible=not conjugate_gradient)
+    layout = _layout(n, layout, token_per_thread_possible=not conjugate_gradient,
+                     column_group_possible=not conjugate_gradient)
+    if layout is Layout.COLUMN_GROUP:
+        return ImplicitBackwardConfig(layout=layout, block=128 // _group_lanes(n), num_warps=4)
     if layout is Layout.TILE:
         block, num_warps = _backward_tile_shape(runtime.next_power_of_2(n), 1024)
         return ImplicitBackwardConfig(layout=layout, block=block, num_warps=num_warps)
@@ -1446,8 +1582,8 @@ def _launch_unrolled_backward_scratch(out, logits, grad_R, iters, config: Unroll
 def sinkhorn_implicit_backward_triton(R: torch.Tensor, grad_R: torch.Tensor, cg_iters: Optional[int],
                                       config: ImplicitBackwardConfig) -> torch.Tensor:
     """``(T, n, n)`` ``R`` and ``dL/dR`` -> implicit ``dL/dlogits`` (direct solve, or CG if ``cg_iters``)."""
-    if config.layout is Layout.TOKEN_PER_THREAD and cg_iters is not None:
-        raise ValueError("the one-token-per-thread implicit backward solves directly: cg_iters must be None")
+    if config.layout is not Layout.TILE and cg_iters is not None:
+        raise ValueError(f"the implicit backward in {config.layout} solves directly: cg_iters must be None")
     return _launch_in_slices(_launch_implicit_backward, (R, grad_R), cg_iters, config)
 
 
@@ -1457,6 +1593,11 @@ def _launch_implicit_backward(out, R, grad_R, cg_iters, config: ImplicitBackward
     grid = (runtime.cdiv(T, config.block),)
     if config.layout is Layout.TOKEN_PER_THREAD:
         sinkhorn_implicit_backward_small_kernel[grid](R, grad_R, out, T, eps, n=n, BITS=_bits(n),
+                                                      BLOCK=config.block, COMPUTE=_compute_dtype(R.dtype),
+                                                      num_warps=config.num_warps)
+        return
+    if config.layout is Layout.COLUMN_GROUP:
+        sinkhorn_implicit_backward_group_kernel[grid](R, grad_R, out, T, eps, n=n, LANES=_group_lanes(n),
                                                       BLOCK=config.block, COMPUTE=_compute_dtype(R.dtype),
                                                       num_warps=config.num_warps)
         return
