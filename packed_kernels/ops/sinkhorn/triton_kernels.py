@@ -705,7 +705,7 @@ def sinkhorn_implicit_backward_group_kernel(R_ptr, grad_ptr, out_ptr, num_tokens
                                             n: tl.constexpr, LANES: tl.constexpr, BLOCK: tl.constexpr,
                                             COMPUTE: tl.constexpr):
     """The direct implicit backward of :func:`sinkhorn_implicit_backward_kernel` for ``n``
-    from 9 to 32, each token across ``LANES = N / 4`` lanes, four columns a lane.
+    from 9 to 16, each token across ``LANES = 4`` lanes, four columns a lane.
 
     Same equations and elimination (Kron reduction onto column 0, links below
     ``cut * colsum`` cut). A lane holds its four columns of the edge weights
@@ -1287,6 +1287,11 @@ class Layout(enum.Enum):
 _TOKEN_PER_THREAD_N = (2, 4, 8)
 #: ``n`` the column-group forward takes (at least two lanes of four columns)
 _COLUMN_GROUP_N = range(9, MAX_KERNEL_N + 1)
+#: ``n`` the column-group implicit backward takes: four lanes. With eight, a lane's
+#: share of ``W`` (128 entries) leaves room for two programs an SM, and the one-warp
+#: tile kernel is faster.
+_COLUMN_GROUP_IMPLICIT_N = range(9, 17)
+_NO_COLUMN_GROUP = range(0)
 #: most elements one launch touches per tensor: the kernels index within a launch with
 #: 32-bit offsets, so the launchers run bigger inputs in slices of whole tokens
 _MAX_LAUNCH_ELEMENTS = 1 << 30
@@ -1338,15 +1343,15 @@ class UnrolledBackwardConfig(LaunchConfig):
 
 
 def _layout(n: int, layout: Optional[Layout], token_per_thread_possible: bool = True,
-            column_group_possible: bool = False) -> Layout:
-    """``layout``, or the default for ``n``: one token per thread, else a column group,
-    wherever its kernel exists, else tiles."""
+            column_group_n: range = _NO_COLUMN_GROUP) -> Layout:
+    """``layout``, or the default for ``n``: one token per thread, else a column group
+    (for ``n`` in ``column_group_n``), wherever its kernel exists, else tiles."""
     possible = token_per_thread_possible and n in _TOKEN_PER_THREAD_N
-    group = column_group_possible and n in _COLUMN_GROUP_N
+    group = n in column_group_n
     if layout is None:
         return Layout.TOKEN_PER_THREAD if possible else Layout.COLUMN_GROUP if group else Layout.TILE
     if layout is Layout.COLUMN_GROUP and not group:
-        which = (f"n from {_COLUMN_GROUP_N.start} to {_COLUMN_GROUP_N.stop - 1}" if column_group_possible
+        which = (f"n from {column_group_n.start} to {column_group_n.stop - 1}" if column_group_n
                  else "the forward and the direct implicit backward only")
         raise ValueError(f"layout Layout.COLUMN_GROUP takes {which}; got n = {n}")
     if layout is Layout.TOKEN_PER_THREAD and not possible:
@@ -1388,7 +1393,7 @@ def _group_lanes(n: int) -> int:
 @functools.lru_cache(maxsize=None)
 def forward_config(n: int, dtype: torch.dtype, *, layout: Optional[Layout] = None) -> ForwardConfig:
     """The forward's configuration for ``n x n`` matrices of ``dtype`` (``layout``: force one)."""
-    layout = _layout(n, layout, column_group_possible=True)
+    layout = _layout(n, layout, column_group_n=_COLUMN_GROUP_N)
     if layout is Layout.COLUMN_GROUP:
         # four warps a program, one warp covering 32 / lanes tokens
         block = 128 // _group_lanes(n)
@@ -1414,7 +1419,7 @@ def implicit_backward_config(n: int, dtype: torch.dtype, conjugate_gradient: boo
                              layout: Optional[Layout] = None) -> ImplicitBackwardConfig:
     """The implicit backward's configuration (the one-token-per-thread kernel solves directly only)."""
     layout = _layout(n, layout, token_per_thread_possible=not conjugate_gradient,
-                     column_group_possible=not conjugate_gradient)
+                     column_group_n=_NO_COLUMN_GROUP if conjugate_gradient else _COLUMN_GROUP_IMPLICIT_N)
     if layout is Layout.COLUMN_GROUP:
         return ImplicitBackwardConfig(layout=layout, block=128 // _group_lanes(n), num_warps=4)
     if layout is Layout.TILE:
