@@ -11,8 +11,9 @@ iterations happen on chip. Three layouts (:class:`Layout`):
 * one-token-per-thread kernels (``n`` in 2, 4, 8): the tile split in registers into
   ``n * n`` vectors of ``BLOCK`` tokens, so that a thread owns whole matrices (see the
   section below);
-* the column-group forward (``n`` from 9 to 32): each matrix across ``N / 4`` lanes of
-  one warp, four whole columns a lane (see its section).
+* column groups (the forward for ``n`` from 9 to 32, the direct implicit backward
+  from 9 to 16): each matrix across ``N / 4`` lanes of one warp, four whole columns a
+  lane (see their section).
 
 Range. Every kernel starts from the balanced matrix of :func:`_balanced_exp`,
 ``K = exp(X - c_j - rho_i)`` (``c_j`` the column maxima, ``rho_i`` the row maxima of
@@ -528,7 +529,8 @@ def sinkhorn_forward_small_kernel(logits_ptr, out_ptr, num_tokens, iters,
 
 
 # ---------------------------------------------------------------------------------------
-# A token across a group of lanes, for n from 9 to 32 (the forward).
+# A token across a group of lanes, for n from 9 to 32 (the forward) and 9 to 16 (the
+# direct implicit backward).
 #
 # A whole matrix of n >= 16 does not fit one thread's registers, and the tile layout
 # spreads it so that both sums of every half-step cross threads. Here the padded
@@ -1279,7 +1281,8 @@ class Layout(enum.Enum):
     TILE = "tile"
     #: whole matrices in one thread's registers (``n`` in 2, 4, 8)
     TOKEN_PER_THREAD = "token per thread"
-    #: a matrix across ``N / 4`` lanes of a warp, four columns a lane (the forward, ``n`` from 9 to 32)
+    #: a matrix across ``N / 4`` lanes of a warp, four columns a lane (the forward for ``n``
+    #: from 9 to 32, the direct implicit backward from 9 to 16)
     COLUMN_GROUP = "column group"
 
 
