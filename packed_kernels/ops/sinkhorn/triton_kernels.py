@@ -274,6 +274,12 @@ def sinkhorn_unrolled_backward_kernel(logits_ptr, grad_ptr, out_ptr, num_tokens,
 
 
 @triton.jit
+def _inverse_or_zero(x):
+    """``1 / x`` where ``x > 0``, else 0 (an empty row, or a cut pivot)."""
+    return tl.where(x > 0, 1.0 / tl.where(x > 0, x, 1.0), 0.0)
+
+
+@triton.jit
 def _row_of(M, i, N: tl.constexpr):
     """Row ``i`` of each ``[N, N]`` matrix in ``M`` (``[BLOCK, N, N]`` -> ``[BLOCK, N]``)."""
     rows = tl.arange(0, N)[None, :, None]
@@ -329,7 +335,7 @@ def sinkhorn_implicit_backward_kernel(R_ptr, grad_ptr, out_ptr, num_tokens, cg_i
     a = tl.sum(G, axis=2)
     b = tl.sum(G, axis=1)
     r = tl.sum(R, axis=2)
-    inv_r = tl.where(r > 0, 1.0 / tl.where(r > 0, r, 1.0), 0.0)
+    inv_r = _inverse_or_zero(r)
     W = tl.zeros((BLOCK, N, N), dtype=COMPUTE)
     for i in range(n):
         R_i = _row_of(R, i, N)
@@ -703,6 +709,30 @@ def _group_row_sum(x0, x1, x2, x3):
 
 
 @triton.jit
+def _group_row_terms(R_ptr, grad_ptr, first, i, num_tokens, n: tl.constexpr, ROWS: tl.constexpr,
+                     LANES: tl.constexpr, COMPUTE: tl.constexpr):
+    """Row ``i`` of ``R`` and ``dR`` (four columns each), ``1 / r_i`` and ``a_i`` (the row
+    sums of ``R`` and ``R * dR``, ``[ROWS, 1]`` in every lane)."""
+    R_i = _load_group_row(R_ptr, first, i, num_tokens, n, ROWS, LANES, COMPUTE)
+    dR_i = _load_group_row(grad_ptr, first, i, num_tokens, n, ROWS, LANES, COMPUTE)
+    inv_r = _inverse_or_zero(_group_row_sum(R_i[0], R_i[1], R_i[2], R_i[3]))[:, None]
+    a_i = _group_row_sum(R_i[0] * dR_i[0], R_i[1] * dR_i[1], R_i[2] * dR_i[2], R_i[3] * dR_i[3])[:, None]
+    return R_i, dR_i, inv_r, a_i
+
+
+@triton.jit
+def _with_column(columns, C: tl.constexpr, value):
+    """The four columns ``columns`` with column ``C`` replaced by ``value``."""
+    out = ()
+    for c in tl.static_range(4):
+        if c == C:
+            out = out + (value,)
+        else:
+            out = out + (columns[c],)
+    return out
+
+
+@triton.jit
 def sinkhorn_implicit_backward_group_kernel(R_ptr, grad_ptr, out_ptr, num_tokens, cut,
                                             n: tl.constexpr, LANES: tl.constexpr, BLOCK: tl.constexpr,
                                             COMPUTE: tl.constexpr):
@@ -732,12 +762,8 @@ def sinkhorn_implicit_backward_group_kernel(R_ptr, grad_ptr, out_ptr, num_tokens
     for k in tl.static_range(4 * n):
         W = W + (zero,)
     for i in range(n):
-        R_i = _load_group_row(R_ptr, first, i, num_tokens, n, BLOCK, LANES, COMPUTE)
-        dR_i = _load_group_row(grad_ptr, first, i, num_tokens, n, BLOCK, LANES, COMPUTE)
-        r_i = _group_row_sum(R_i[0], R_i[1], R_i[2], R_i[3])
-        a_i = _group_row_sum(R_i[0] * dR_i[0], R_i[1] * dR_i[1], R_i[2] * dR_i[2], R_i[3] * dR_i[3])
-        inv_r = tl.where(r_i > 0, 1.0 / tl.where(r_i > 0, r_i, 1.0), 0.0)[:, None]
-        s_i = a_i[:, None] * inv_r
+        R_i, dR_i, inv_r, a_i = _group_row_terms(R_ptr, grad_ptr, first, i, num_tokens, n, BLOCK, LANES, COMPUTE)
+        s_i = a_i * inv_r
         h = (h[0] + R_i[0] * (dR_i[0] - s_i), h[1] + R_i[1] * (dR_i[1] - s_i),
              h[2] + R_i[2] * (dR_i[2] - s_i), h[3] + R_i[3] * (dR_i[3] - s_i))
         mass = (mass[0] + R_i[0], mass[1] + R_i[1], mass[2] + R_i[2], mass[3] + R_i[3])
@@ -757,19 +783,14 @@ def sinkhorn_implicit_backward_group_kernel(R_ptr, grad_ptr, out_ptr, num_tokens
         # Links weaker than rounding level are cut (see sinkhorn_implicit_backward_kernel).
         holder = lane == p // 4
         pivot = tl.sum(tl.where(holder & (part > cut * mass[p % 4]), part, 0.0), axis=1)
-        inv = tl.where(pivot > 0, 1.0 / tl.where(pivot > 0, pivot, 1.0), 0.0)[:, None]
+        inv = _inverse_or_zero(pivot)[:, None]
         h_p = _group_entry(h[p % 4], lane, p // 4)[:, None]
         row_p = (W[4 * p] * inv, W[4 * p + 1] * inv, W[4 * p + 2] * inv, W[4 * p + 3] * inv)
         new_h = ()
-        new_inv = ()
         for c in tl.static_range(4):
             new_h = new_h + (tl.where(4 * lane + c < p, h[c] + row_p[c] * h_p, h[c]),)
-            if c == p % 4:
-                new_inv = new_inv + (tl.where(holder, inv, inv_pivot[c]),)
-            else:
-                new_inv = new_inv + (inv_pivot[c],)
         h = new_h
-        inv_pivot = new_inv
+        inv_pivot = _with_column(inv_pivot, p % 4, tl.where(holder, inv, inv_pivot[p % 4]))
         new_W = ()
         for j in tl.static_range(n):
             if j < p:
@@ -787,21 +808,12 @@ def sinkhorn_implicit_backward_group_kernel(R_ptr, grad_ptr, out_ptr, num_tokens
         for c in tl.static_range(1, 4):
             part += tl.where(4 * lane + c < p, W[4 * p + c] * beta[c], 0.0)
         beta_p = (h[p % 4] + tl.sum(part, axis=1)[:, None]) * inv_pivot[p % 4]
-        new_beta = ()
-        for c in tl.static_range(4):
-            if c == p % 4:
-                new_beta = new_beta + (tl.where(lane == p // 4, beta_p, beta[c]),)
-            else:
-                new_beta = new_beta + (beta[c],)
-        beta = new_beta
+        beta = _with_column(beta, p % 4, tl.where(lane == p // 4, beta_p, beta[p % 4]))
 
     for i in range(n):
-        R_i = _load_group_row(R_ptr, first, i, num_tokens, n, BLOCK, LANES, COMPUTE)
-        dR_i = _load_group_row(grad_ptr, first, i, num_tokens, n, BLOCK, LANES, COMPUTE)
-        r_i = _group_row_sum(R_i[0], R_i[1], R_i[2], R_i[3])
-        a_i = _group_row_sum(R_i[0] * dR_i[0], R_i[1] * dR_i[1], R_i[2] * dR_i[2], R_i[3] * dR_i[3])
+        R_i, dR_i, inv_r, a_i = _group_row_terms(R_ptr, grad_ptr, first, i, num_tokens, n, BLOCK, LANES, COMPUTE)
         s_i = _group_row_sum(R_i[0] * beta[0], R_i[1] * beta[1], R_i[2] * beta[2], R_i[3] * beta[3])
-        alpha = (tl.where(r_i > 0, 1.0 / tl.where(r_i > 0, r_i, 1.0), 0.0) * (a_i - s_i))[:, None]
+        alpha = inv_r * (a_i - s_i[:, None])
         dX = (R_i[0] * (dR_i[0] - alpha - beta[0]), R_i[1] * (dR_i[1] - alpha - beta[1]),
               R_i[2] * (dR_i[2] - alpha - beta[2]), R_i[3] * (dR_i[3] - alpha - beta[3]))
         _store_group_row(out_ptr, dX, first, i, num_tokens, n, BLOCK, LANES)
@@ -832,7 +844,7 @@ def sinkhorn_implicit_backward_small_kernel(R_ptr, grad_ptr, out_ptr, num_tokens
             a_i += R[i * n + j] * dR[i * n + j]
             r_i += R[i * n + j]
         a = a + (a_i,)
-        inv_r = inv_r + (tl.where(r_i > 0, 1.0 / tl.where(r_i > 0, r_i, 1.0), 0.0),)
+        inv_r = inv_r + (_inverse_or_zero(r_i),)
     h = ()
     col_mass = ()
     for j in tl.static_range(n):
@@ -1393,14 +1405,19 @@ def _group_lanes(n: int) -> int:
     return runtime.next_power_of_2(n) // _GROUP_COLUMNS
 
 
+def _column_group_shape(n: int):
+    """``(block, num_warps)`` of a column-group program: four warps, each covering
+    ``32 / lanes`` tokens."""
+    return 128 // _group_lanes(n), 4
+
+
 @functools.lru_cache(maxsize=None)
 def forward_config(n: int, dtype: torch.dtype, *, layout: Optional[Layout] = None) -> ForwardConfig:
     """The forward's configuration for ``n x n`` matrices of ``dtype`` (``layout``: force one)."""
     layout = _layout(n, layout, column_group_n=_COLUMN_GROUP_N)
     if layout is Layout.COLUMN_GROUP:
-        # four warps a program, one warp covering 32 / lanes tokens
-        block = 128 // _group_lanes(n)
-        return ForwardConfig(layout=layout, block=block, num_warps=4, staggered=False, reciprocal_pairs=0,
+        block, num_warps = _column_group_shape(n)
+        return ForwardConfig(layout=layout, block=block, num_warps=num_warps, staggered=False, reciprocal_pairs=0,
                              absorb_every=absorb_period(n))
     if layout is Layout.TILE:
         N = runtime.next_power_of_2(n)
@@ -1424,7 +1441,8 @@ def implicit_backward_config(n: int, dtype: torch.dtype, conjugate_gradient: boo
     layout = _layout(n, layout, token_per_thread_possible=not conjugate_gradient,
                      column_group_n=_NO_COLUMN_GROUP if conjugate_gradient else _COLUMN_GROUP_IMPLICIT_N)
     if layout is Layout.COLUMN_GROUP:
-        return ImplicitBackwardConfig(layout=layout, block=128 // _group_lanes(n), num_warps=4)
+        block, num_warps = _column_group_shape(n)
+        return ImplicitBackwardConfig(layout=layout, block=block, num_warps=num_warps)
     if layout is Layout.TILE:
         block, num_warps = _backward_tile_shape(runtime.next_power_of_2(n), 1024)
         return ImplicitBackwardConfig(layout=layout, block=block, num_warps=num_warps)
