@@ -5,8 +5,8 @@ bytes of 4M tokens at n = 4. Providers:
 
 * ``triton``: the package's kernels (``triton_unrolled`` for the unrolled backward
   in ``fwd+bwd``); ``triton_tile``: the tile kernels where another layout is the
-  default (one token per thread at n = 4 and 8, the forward's column groups at n = 16
-  and 32), to show what that layout is worth;
+  default (one token per thread at n = 4 and 8, column groups in the forward at n = 16
+  and 32 and in the implicit backward at n = 16), to show what that layout is worth;
 * ``torch_loop``: the padded PyTorch stage, autograd through the 20-iteration loop;
 * ``torch_cg``: the padded PyTorch implicit backward (batched conjugate gradient,
   ``2n`` steps);
@@ -121,24 +121,26 @@ def _fwd_bwd(provider, n, tokens):
 
 
 def cases() -> Iterable[Case]:
-    from ..ops.sinkhorn.triton_kernels import Layout, forward_config
+    from ..ops.sinkhorn.triton_kernels import Layout, forward_config, implicit_backward_config, unrolled_backward_config
+
+    def tile(config):
+        """The tile provider wherever another layout is the kernel's default."""
+        return ("triton_tile",) if config.layout is not Layout.TILE else ()
 
     for n, tokens in _SIZES:
-        # the tile kernels too where another layout takes over (the backwards' other
-        # layout is one token per thread, so their tile rows follow that one alone)
-        fwd_tile = forward_config(n, torch.float32).layout is not Layout.TILE
-        tile = ("triton_tile",) if forward_config(n, torch.float32).layout is Layout.TOKEN_PER_THREAD else ()
         params = {"n": n, "tokens": tokens}
         matrix_bytes = tokens * n * n * 4
         notes = {"iters": ITERS, "bytes_per_token_fwd": 2 * n * n * 4}
+        fwd_tile = tile(forward_config(n, torch.float32))
+        implicit_tile = tile(implicit_backward_config(n, torch.float32, False))
+        unrolled_tile = tile(unrolled_backward_config(n, torch.float32, ITERS))
         fwd = {"triton": _fwd_triton("triton", n, tokens), "torch_loop": _fwd_torch(n, tokens)}
-        if fwd_tile:
-            fwd["triton_tile"] = _fwd_triton("triton_tile", n, tokens)
+        fwd.update({p: _fwd_triton(p, n, tokens) for p in fwd_tile})
         yield Case("fwd", params, fwd, floor_bytes=2 * matrix_bytes, notes=notes)
         yield Case("bwd_implicit", params,
-                   {p: _implicit(p, n, tokens) for p in ("triton", *tile, "torch_cg", "eps_cg_float32")},
+                   {p: _implicit(p, n, tokens) for p in ("triton", *implicit_tile, "torch_cg", "eps_cg_float32")},
                    floor_bytes=3 * matrix_bytes, notes=notes)
-        yield Case("bwd_unrolled", params, {p: _unrolled(p, n, tokens) for p in ("triton", *tile, "torch_loop")},
+        yield Case("bwd_unrolled", params, {p: _unrolled(p, n, tokens) for p in ("triton", *unrolled_tile, "torch_loop")},
                    floor_bytes=3 * matrix_bytes, notes=notes)
         yield Case("fwd+bwd", params,
                    {p: _fwd_bwd(p, n, tokens) for p in ("triton", "triton_unrolled", "torch_loop", "torch_cg")},
