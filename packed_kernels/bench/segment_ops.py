@@ -3,7 +3,7 @@
 Rows ``N`` = 1M and 16M, average segment length 10, 100 and 10,000 (segment ids
 drawn uniformly and sorted, so lengths vary around the mean), scalar and 3-vector
 rows, float32. Workloads: ``forward``, ``fwd+bwd`` (forward then the gradient of
-every input) and ``fwd+bwd+bwd2`` (forward, the first gradient with
+every input; at 1M rows ``sum`` at length 10 only) and ``fwd+bwd+bwd2`` (forward, the first gradient with
 ``create_graph=True``, then the gradient of that gradient, as in training on forces).
 Beside them, at 16M rows, bfloat16 rows (read as bfloat16, summed in float32: workloads
 ``forward, bfloat16`` and ``fwd+bwd, bfloat16``) and ``sum`` with many trailing empty
@@ -24,7 +24,11 @@ Providers:
   atomics: nondeterministic in float on the GPU), differentiable to any order;
 * ``segment_reduce``: ``torch.segment_reduce`` with precomputed lengths (sum and mean;
   it has no second derivative);
-* ``padded``: the padded PyTorch stage of this chapter.
+* ``padded``: the padded PyTorch stage of this chapter;
+* ``eager_floor``: the least an eager call through autograd costs on this host
+  whatever its kernels: an ``autograd.Function`` that allocates its output and launches
+  one Triton kernel that does nothing (and, for ``fwd+bwd``, the same in its backward).
+  An eager ``triton`` row can come no closer to its ``triton_graph`` row than this.
 
 The floor is the bytes each stage must move (its inputs read once, its outputs written
 once, ``idx`` read once per stage) over the measured copy bandwidth.
@@ -104,6 +108,31 @@ def _torch_composed(op: str, counts: torch.Tensor) -> Callable:
     raise ValueError(op)
 
 
+def _eager_floor() -> Callable:
+    """``(x, idx, S) -> (S, ...)``: one allocation and one empty Triton launch each way."""
+    import triton
+
+    @triton.jit
+    def nothing(out_ptr):
+        pass
+
+    class Floor(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x, num_segments):
+            ctx.rows = x.shape
+            out = x.new_empty((num_segments,) + x.shape[1:])
+            nothing[(1,)](out)
+            return out
+
+        @staticmethod
+        def backward(ctx, grad):
+            grad_x = grad.new_empty(ctx.rows)
+            nothing[(1,)](grad_x)
+            return grad_x, None
+
+    return lambda x, idx, S: Floor.apply(x, S)
+
+
 def _segment_reduce(op: str, lengths: torch.Tensor) -> Callable:
     reduce = "sum" if op == "sum" else "mean"
     return lambda x, idx, S: torch.segment_reduce(x, reduce, lengths=lengths, axis=0, unsafe=True)
@@ -127,6 +156,8 @@ def _provider(op: str, provider: str, order: str, n_rows: int, mean_length: int,
             fn = _segment_reduce(op, counts)
         elif provider == "padded":
             fn = getattr(padded_torch, f"segmented_{op}_padded")
+        elif provider == "eager_floor":
+            fn = _eager_floor()
         else:
             raise ValueError(provider)
         if order == "forward":
@@ -217,17 +248,22 @@ def cases() -> Iterable[Case]:
                 for op in ("sum", "mean"):
                     providers = ["triton", "index_add", "segment_reduce"]
                     if op == "sum":
-                        # eager (checked) against the graph replay of the same call
-                        providers += ["triton_graph", "triton_checked"]
+                        # eager (checked) against the graph replay of the same call, and
+                        # the least an eager call through autograd costs
+                        providers += ["triton_graph", "triton_checked", "eager_floor"]
                     if n_rows == ROW_COUNTS[-1]:
                         providers += ["padded"] + (["triton_graph"] if op != "sum" else [])
                     yield _case(op, "forward", n_rows, mean_length, width, providers)
+    # Sum with its gradient at 1M rows, short segments: eager against graph replay.
+    for width in (1, 3):
+        yield _case("sum", "fwd+bwd", ROW_COUNTS[0], 10, width,
+                    ["triton", "triton_graph", "triton_checked", "eager_floor", "index_add"])
     # Sum and mean with their gradient at 16M rows.
     n_rows = ROW_COUNTS[-1]
     for mean_length in MEAN_LENGTHS:
         for width in (1, 3):
             for op in ("sum", "mean"):
-                extra = ["triton_graph", "triton_checked"] if op == "sum" else []
+                extra = ["triton_graph", "triton_checked", "eager_floor"] if op == "sum" else []
                 yield _case(op, "fwd+bwd", n_rows, mean_length, width,
                             ["triton", "index_add", "segment_reduce", "padded"] + extra)
     # Every op, vec3 rows, both derivative orders, the two extreme lengths.

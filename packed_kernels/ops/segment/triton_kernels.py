@@ -329,7 +329,10 @@ def segment_sum_rows_kernel(
                          columns, columns < COLS, COLS, 0, THREADS, WRITE_COUNTS)
     tl.debug_barrier()
     # Rows past N take the chunk's last segment: they join its last run (with zeros).
-    segments = load_lane_rows(idx_ptr, base, N, tail_segment, ROWS_PER_THREAD, THREADS, BITS, VECTOR_IDX)
+    # A chunk that starts and ends in one segment lies wholly inside it (idx is sorted):
+    # its ids are not read at all, which halves the bytes of long segments of scalars.
+    read_end = tl.where(head_segment == tail_segment, 0, N)
+    segments = load_lane_rows(idx_ptr, base, read_end, tail_segment, ROWS_PER_THREAD, THREADS, BITS, VECTOR_IDX)
     values = _lane_rows(x_ptr, base, N, COLS, ROWS_PER_THREAD, THREADS, BITS, VECTOR_X)
     first = segments[0]
     last = segments[ROWS_PER_THREAD - 1]  # the segment of each lane's last run
