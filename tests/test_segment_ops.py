@@ -46,7 +46,8 @@ WIDTH_IDS = ["scalar", "D3", "D5"]
 #: chunk edges (finished by the combine pass). With the default configuration these
 #: small inputs fit in one chunk.
 SMALL_CHUNKS = dataclasses.replace(tk.segment_config(), chunk_elements=4, min_chunk_rows=4, rows_per_thread=2,
-                                   vector_rows_per_thread=2, rows_in_order_threads=4, combine_parts=2)
+                                   vector_rows_per_thread=2, rows_in_order_threads=4, combine_parts=2,
+                                   rowwise_elements=16)
 
 
 def launched_with(config):
