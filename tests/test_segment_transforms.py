@@ -183,6 +183,25 @@ def test_torch_func_grad_first_and_second_order(op, device):
         assert_close(f"{op} torch.func {order} derivative #{k % len(inputs)}", a, b, atol=1e-11, rtol=1e-10)
 
 
+def test_idx_check_kernel_reads_plain_tensors_under_torch_func(device):
+    """The GPU path of the eager idx check is one kernel and its small output: under
+    ``torch.func.grad`` (and ``grad`` of ``grad``) a tensor made inside the transform,
+    and an ``idx`` computed there, are wrappers without storage that no kernel can read."""
+    idx = make_idx([2, 0, 3, 1], device)
+    want = [int(idx[0]), int(idx[-1]), 0]
+    seen = []
+
+    def loss(x):
+        inner = idx + torch.zeros_like(idx)  # made inside the transform: a wrapper
+        seen.append(api._idx_facts_by_kernel(idx))
+        seen.append(api._idx_facts_by_kernel(inner))
+        return x.square().sum()
+
+    torch.func.grad(loss)(torch.randn(3, dtype=torch.float64, device=device))
+    torch.func.grad(lambda x: torch.func.grad(loss)(x).sum())(torch.randn(3, dtype=torch.float64, device=device))
+    assert seen == [want] * 4
+
+
 def test_torch_func_vjp(device):
     """``torch.func.vjp`` of ``matvec`` (both inputs) against autograd of the padded stage."""
     (v, m), idx, S = case_inputs("matvec", device)

@@ -179,9 +179,21 @@ def _idx_facts(idx: Tensor) -> list:
     (:func:`~.triton_kernels.idx_facts_triton`); elsewhere (CPU tensors, read where they
     are) PyTorch's own ops."""
     if runtime.on_kernel_device(idx) and not runtime.INTERPRETED:
-        return tk.idx_facts_triton(idx)
+        return _idx_facts_by_kernel(idx)
     unsorted = int((idx[1:] < idx[:-1]).sum()) if idx.shape[0] > 1 else 0
     return [int(idx[0]), int(idx[-1]), unsorted]
+
+
+def _idx_facts_by_kernel(idx: Tensor) -> list:
+    """:func:`~.triton_kernels.idx_facts_triton` of ``idx``, also under a ``torch.func``
+    transform, where a kernel can read neither a wrapped ``idx`` nor a tensor made
+    inside the transform (both are wrappers without storage): it gets the plain tensor,
+    and makes its output with the transforms switched off."""
+    functorch = torch._C._functorch
+    while functorch.is_functorch_wrapped_tensor(idx):
+        idx = functorch.get_unwrapped(idx)
+    with torch._C._DisableFuncTorch():
+        return tk.idx_facts_triton(idx)
 
 
 def _check_segments(idx, num_segments: int, rows_name: str, **tensors) -> Tensor:
