@@ -520,12 +520,16 @@ def segment_rowwise_kernel(
     rows = pid * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
     in_range = rows < N
     rows64 = rows.to(tl.int64)
-    # A block of rows that starts and ends in one segment lies wholly inside it (idx is
-    # sorted): its ids are not read.
-    first = tl.load(idx_ptr + pid * BLOCK_ROWS)
-    last = tl.load(idx_ptr + tl.minimum(pid * BLOCK_ROWS + BLOCK_ROWS, N) - 1)
-    read_end = tl.where(first == last, 0, N)
-    segment = tl.load(idx_ptr + rows, mask=rows < read_end, other=first).to(tl.int64)
+    if MODE == GATHER or MODE == GATHER_OVER_COUNT:
+        # The gathers (adjoints of reductions, whose idx is sorted): a block of rows that
+        # starts and ends in one segment lies wholly inside it, and its ids are not read.
+        # (mul reads every id: while traced its idx may be unsorted, and it stays exact.)
+        first = tl.load(idx_ptr + pid * BLOCK_ROWS)
+        last = tl.load(idx_ptr + tl.minimum(pid * BLOCK_ROWS + BLOCK_ROWS, N) - 1)
+        read_end = tl.where(first == last, 0, N)
+        segment = tl.load(idx_ptr + rows, mask=rows < read_end, other=first).to(tl.int64)
+    else:
+        segment = tl.load(idx_ptr + rows, mask=in_range, other=0).to(tl.int64)
     cols = col_block * BLOCK_COLS + tl.arange(0, BLOCK_COLS)
     both = in_range[:, None] & (cols < n_cols)[None, :]
     if MODE == GATHER:
