@@ -3,8 +3,9 @@
 Rows ``N`` = 1M and 16M, average segment length 10, 100 and 10,000 (segment ids
 drawn uniformly and sorted, so lengths vary around the mean), scalar and 3-vector
 rows, float32. Workloads: ``forward``, ``fwd+bwd`` (forward then the gradient of
-every input; at 1M rows ``sum`` at length 10 only) and ``fwd+bwd+bwd2`` (forward, the first gradient with
-``create_graph=True``, then the gradient of that gradient, as in training on forces).
+every input; at 1M rows ``sum`` at length 10 only) and ``fwd+bwd+bwd2`` (forward, the
+first gradient with ``create_graph=True``, then the gradient of that gradient, as in
+training on forces).
 Beside them, at 16M rows, bfloat16 rows (read as bfloat16, summed in float32: workloads
 ``forward, bfloat16`` and ``fwd+bwd, bfloat16``) and ``sum`` with many trailing empty
 segments (``num_segments`` four times the last index plus one: workload ``forward,
@@ -28,7 +29,9 @@ Providers:
 * ``eager_floor``: the least an eager call through autograd costs on this host
   whatever its kernels: an ``autograd.Function`` that allocates its output and launches
   one Triton kernel that does nothing (and, for ``fwd+bwd``, the same in its backward).
-  An eager ``triton`` row can come no closer to its ``triton_graph`` row than this.
+  Host time shorter than the cache flush ``do_bench`` runs between repetitions hides
+  behind it, so its ``forward`` rows show little more than the empty kernel; its
+  ``fwd+bwd`` rows show the host's floor for an eager step.
 
 The floor is the bytes each stage must move (its inputs read once, its outputs written
 once, ``idx`` read once per stage) over the measured copy bandwidth.
