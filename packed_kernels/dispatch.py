@@ -41,14 +41,17 @@ def is_traced(*args) -> bool:
     True while ``torch.compile`` or ``torch.export`` traces, under any dispatch mode
     (``FakeTensorMode``, the proxy modes of tracing), when an argument is a tensor
     subclass other than ``nn.Parameter`` (fake or functional tensors) or a ``meta``
-    tensor (shapes only), and while a CUDA graph is captured. Such calls take the custom ops, and skip every check that reads
-    tensor values on the host (a host read would break the graph, or is forbidden).
+    tensor (shapes only), and while a CUDA graph is captured. Such calls take the
+    custom ops, and skip every check that reads tensor values on the host (a host read
+    would break the graph, or is forbidden).
     """
     if torch.compiler.is_compiling() or _get_current_dispatch_mode() is not None:
         return True
-    if any(isinstance(a, Tensor) and (type(a) not in _PLAIN_TENSOR_TYPES or a.is_meta) for a in args):
-        return True
-    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+    for a in args:
+        if isinstance(a, Tensor) and (type(a) not in _PLAIN_TENSOR_TYPES or a.is_meta):
+            return True
+    # a capture needs CUDA initialised; asking that is cheaper than torch.cuda.is_available()
+    return torch.cuda.is_initialized() and torch.cuda.is_current_stream_capturing()
 
 
 class Operator:

@@ -520,6 +520,25 @@ def test_large_all_ops_both_orders_deterministic_and_close(mean_length, device):
             assert_close(f"{op} d/input{k} at 1M rows", a, b, atol=1e-5 * (float(b.abs().max()) + 1.0), rtol=1e-4)
 
 
+@pytest.mark.parametrize("op", ["sum", "mean"])
+def test_one_dimensional_rows_take_one_autograd_node_each_way(op, device):
+    """``sum`` and ``mean`` of ``(N,)`` rows (and their backwards) are one node of the
+    autograd graph, no reshaped views around it (each view is one more node for the
+    engine); the output is an ordinary tensor, so it can be changed in place."""
+    idx = make_idx([2, 0, 3], device)
+    x = torch.arange(1.0, 6.0, dtype=torch.float64, device=device).requires_grad_()
+    out = PUBLIC[op](x, idx, 3)
+    assert type(out.grad_fn).__name__ == f"Eager_segment_{op}Backward"
+    assert out.grad_fn.next_functions[0][0].variable is x
+    out.mul_(2)
+    (grad,) = torch.autograd.grad(out, x, torch.ones_like(out).requires_grad_(), create_graph=True)
+    assert type(grad.grad_fn).__name__ == ("Eager_segment_gatherBackward" if op == "sum"
+                                           else "Eager_segment_gather_over_countBackward")
+    want = torch.tensor([2.0, 2.0, 2.0, 2.0, 2.0] if op == "sum" else [1.0, 1.0, 2 / 3, 2 / 3, 2 / 3],
+                        dtype=torch.float64, device=device)
+    assert_close(f"{op} d/dx", grad, want, atol=1e-15, rtol=1e-15)
+
+
 @pytest.mark.gpu_only
 def test_cuda_graph_capture_skips_host_checks():
     idx = make_idx([3, 0, 500, 1], "cuda")

@@ -275,6 +275,11 @@ def _opcheck_cases(device):
         "mean-with-counts": (api.segment_mean_op, (rand(6, 3), idx, S, True, None)),
         "mean-without-counts": (api.segment_mean_op, (rand(6, 3), idx, S, False, None)),
         "gather_over_count": (api.segment_gather_over_count_op, (rand(S, 3), idx, counts, None)),
+        # sum, mean and their adjoints take one-dimensional rows too
+        "sum-1d": (api.segment_sum_op, (rand(6), idx, S, None)),
+        "gather-1d": (api.segment_gather_op, (rand(S), idx, None)),
+        "mean-1d": (api.segment_mean_op, (rand(6), idx, S, True, None)),
+        "gather_over_count-1d": (api.segment_gather_over_count_op, (rand(S), idx, counts, None)),
         "dot-rowwise": (api.segment_dot_op, (rand(6, 3), rand(6, 3), idx, S, True, None)),
         "dot-columns": (api.segment_dot_op, (rand(6, 3), rand(6, 3), idx, S, False, None)),
         "scale_rows": (api.segment_scale_rows_op, (rand(6, 3), rand(S, 3), idx, None)),
@@ -291,7 +296,8 @@ def _opcheck_cases(device):
     }
 
 
-OPCHECK_CASES = ["sum", "gather", "mean-with-counts", "mean-without-counts", "gather_over_count", "dot-rowwise",
+OPCHECK_CASES = ["sum", "gather", "mean-with-counts", "mean-without-counts", "gather_over_count", "sum-1d",
+                 "gather-1d", "mean-1d", "gather_over_count-1d", "dot-rowwise",
                  "dot-columns", "scale_rows", "scale_rows-broadcast", "rms", "rms_backward", "rms_double_backward",
                  "matvec", "matvec-transposed", "outer"]
 

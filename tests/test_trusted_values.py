@@ -228,6 +228,23 @@ def test_segment_operations_clamp_idx_while_traced(case, op, device):
         assert_close(f"{op} {case} d/input{k}", got, want, atol=1e-12, rtol=1e-10)
 
 
+@pytest.mark.parametrize("capturing", [False, True])
+def test_a_call_while_a_cuda_graph_is_captured_skips_the_idx_check(capturing, device, monkeypatch):
+    """During a capture (CUDA initialised, the current stream capturing: stood in for
+    here) a call counts as traced: an ``idx`` out of range is clamped, not refused."""
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: capturing)
+    idx, S = _idx_case("idx-beyond-num_segments", device)
+    x = torch.arange(1.0, 8.0, dtype=torch.float64, device=device)
+    assert pk.dispatch.is_traced(x) is capturing
+    if not capturing:
+        with pytest.raises(ValueError, match="idx"):
+            pk.segmented_sum(x, idx, S)
+        return
+    want = torch.zeros(S, dtype=torch.float64, device=device).index_add_(0, idx.clamp(0, S - 1).long(), x)
+    assert_close("sum captured", pk.segmented_sum(x, idx, S), want, atol=0, rtol=0)
+
+
 @pytest.mark.parametrize("op", ["mul", "mul_broadcast", "matvec"])
 def test_row_wise_operations_take_an_unsorted_idx_while_traced(op, device):
     """``mul`` and ``matvec`` read one segment row per row: an unsorted (clamped) ``idx``

@@ -235,13 +235,16 @@ def _operator(name: str):
 
 @_operator("sum")
 def segment_sum_op(x: Tensor, idx: Tensor, num_segments: int, config: Optional[str]) -> Tensor:
+    """``(S,)`` for an ``(N,)`` ``x``, ``(S, D)`` for ``(N, D)``: taking either shape, the
+    op leaves autograd no reshaped views to track (as its adjoint, gather, and mean and
+    its adjoint)."""
     return tk.segment_reduce_triton(x.contiguous(), None, idx, num_segments, tk.ROW_VALUE, tk.TOTAL, False,
                                     config=_config(config))[0]
 
 
 @segment_sum_op.register_fake
 def _(x, idx, num_segments, config):
-    return x.new_empty((num_segments, x.shape[1]))
+    return x.new_empty((num_segments,) + x.shape[1:])
 
 
 @_operator("gather")
@@ -251,7 +254,7 @@ def segment_gather_op(b: Tensor, idx: Tensor, config: Optional[str]) -> Tensor:
 
 @segment_gather_op.register_fake
 def _(b, idx, config):
-    return b.new_empty((idx.shape[0], b.shape[1]))
+    return b.new_empty((idx.shape[0],) + b.shape[1:])
 
 
 def _save_idx_and_segments(ctx, inputs, output):
@@ -298,7 +301,7 @@ def segment_mean_op(x: Tensor, idx: Tensor, num_segments: int, with_counts: bool
 
 @segment_mean_op.register_fake
 def _(x, idx, num_segments, with_counts, config):
-    return x.new_empty((num_segments, x.shape[1])), idx.new_empty((num_segments if with_counts else 0,))
+    return x.new_empty((num_segments,) + x.shape[1:]), idx.new_empty((num_segments if with_counts else 0,))
 
 
 @_operator("gather_over_count")
@@ -309,7 +312,7 @@ def segment_gather_over_count_op(b: Tensor, idx: Tensor, counts: Tensor, config:
 
 @segment_gather_over_count_op.register_fake
 def _(b, idx, counts, config):
-    return b.new_empty((idx.shape[0], b.shape[1]))
+    return b.new_empty((idx.shape[0],) + b.shape[1:])
 
 
 def _mean_setup(ctx, inputs, output):
@@ -534,13 +537,11 @@ def _index(idx: Tensor) -> Tensor:
 
 
 def _sum(x, idx, num_segments, config=None):
-    out = segment_sum_op(_as_rows(x), _index(idx), num_segments, config_text(config))
-    return out.reshape(num_segments) if x.dim() == 1 else out
+    return segment_sum_op(x, _index(idx), num_segments, config_text(config))
 
 
 def _mean(x, idx, num_segments, config=None):
-    out, _ = segment_mean_op(_as_rows(x), _index(idx), num_segments, needs_counts(x), config_text(config))
-    return out.reshape(num_segments) if x.dim() == 1 else out
+    return segment_mean_op(x, _index(idx), num_segments, needs_counts(x), config_text(config))[0]
 
 
 def _dot(x, y, idx, num_segments, config=None):

@@ -751,6 +751,12 @@ def _uninitialised(shape, dtype, device, config: SegmentConfig) -> torch.Tensor:
     return torch.empty(shape, dtype=dtype, device=device)
 
 
+def _rows_and_columns(t: torch.Tensor):
+    """``(rows, columns)`` of a ``(rows, columns)`` tensor, or of ``(rows,)`` as one column
+    (the same memory, so a one-dimensional tensor needs no reshaped view)."""
+    return (t.shape[0], 1) if t.dim() == 1 else tuple(t.shape)
+
+
 def _warps_for(elements: int) -> int:
     # Small tiles (small inputs) get fewer threads: less replication of tiny tensors.
     return 8 if elements >= 2048 else (4 if elements >= 512 else 1)
@@ -834,21 +840,22 @@ def segment_reduce_triton(x: torch.Tensor, y, idx: torch.Tensor, num_segments: i
     """Launch the two-pass segmented reduction; returns ``(out (S, C), counts (S,) int32)``.
 
     ``prologue`` is one of the ``ROW_*`` modes and ``epilogue`` one of ``TOTAL``,
-    ``DIVIDE_BY_COUNT``, ``SQRT_OF_MEAN``. ``x``: ``(N, D)``; ``y``: ``(N, D)`` (product,
-    dot), ``(N, K)`` (outer) or ``None``. ``C`` is ``D`` (value, product), 1 (dot, squared
-    norm) or ``D * K`` (outer). ``out`` has ``x``'s dtype; ``counts`` is filled only when
-    ``write_counts``.
+    ``DIVIDE_BY_COUNT``, ``SQRT_OF_MEAN``. ``x``: ``(N, D)``, or ``(N,)`` for ``D = 1``
+    (``out`` is then ``(S,)``); ``y``: ``(N, D)`` (product, dot), ``(N, K)`` (outer) or
+    ``None``. ``C`` is ``D`` (value, product), 1 (dot, squared norm) or ``D * K``
+    (outer). ``out`` has ``x``'s dtype; ``counts`` is filled only when ``write_counts``.
     """
     config = segment_config() if config is None else config
-    N, D = x.shape
+    N, D = _rows_and_columns(x)
     n_cols = _output_columns(prologue.value, D, K)
+    out_shape = (num_segments,) if x.dim() == 1 else (num_segments, n_cols)
     if N == 0 or num_segments == 0 or n_cols == 0:
-        out = torch.zeros((num_segments, n_cols), dtype=x.dtype, device=x.device)
+        out = torch.zeros(out_shape, dtype=x.dtype, device=x.device)
         return out, torch.zeros((num_segments if write_counts else 0,), dtype=torch.int32, device=x.device)
     plan = _reduce_plan(N, D, K, num_segments, prologue.value, epilogue.value, write_counts, x.dtype, config,
                         runtime.INTERPRETED)
     # The first pass zeroes the empty segments itself.
-    out = _uninitialised((num_segments, n_cols), x.dtype, x.device, config)
+    out = _uninitialised(out_shape, x.dtype, x.device, config)
     counts = _uninitialised((num_segments if write_counts else 0,), torch.int32, x.device, config)
     parts = 2 * plan["n_chunks"]
     part_value = torch.empty((parts, n_cols), dtype=plan["part_dtype"], device=x.device)
@@ -873,13 +880,14 @@ def segment_reduce_triton(x: torch.Tensor, y, idx: torch.Tensor, num_segments: i
 def segment_rowwise_triton(mode: tl.constexpr, a, b: torch.Tensor, idx: torch.Tensor, counts=None, r=None,
                            n_cols: int = None, config: Optional[SegmentConfig] = None) -> torch.Tensor:
     """Launch the row-wise map ``mode`` (one of ``GATHER``, ``GATHER_OVER_COUNT``,
-    ``SCALE_ROWS``, ``RMS_BACKWARD``: see ``segment_rowwise_kernel``); returns ``(N, n_cols)``."""
+    ``SCALE_ROWS``, ``RMS_BACKWARD``: see ``segment_rowwise_kernel``); returns ``(N, n_cols)``,
+    or ``(N,)`` where the operand that sets the columns (``a``, else ``b``) is one-dimensional."""
     config = segment_config() if config is None else config
     N = idx.shape[0]
+    rows = a if a is not None else b
     if n_cols is None:
-        n_cols = a.shape[1] if a is not None else b.shape[1]
-    dtype = (a if a is not None else b).dtype
-    out = torch.empty((N, n_cols), dtype=dtype, device=idx.device)
+        n_cols = _rows_and_columns(rows)[1]
+    out = torch.empty((N,) if rows.dim() == 1 else (N, n_cols), dtype=rows.dtype, device=idx.device)
     if N == 0 or n_cols == 0:
         return out
     block_cols = _column_block(n_cols)
@@ -888,8 +896,8 @@ def segment_rowwise_triton(mode: tl.constexpr, a, b: torch.Tensor, idx: torch.Te
     segment_rowwise_kernel[(runtime.cdiv(N, block_rows), runtime.cdiv(n_cols, block_cols))](
         a if a is not None else dummy, b, counts if counts is not None else idx,
         r if r is not None else dummy, idx, out, N, n_cols,
-        MODE=mode.value, BROADCAST_B=b.shape[1] == 1 and n_cols != 1, BLOCK_ROWS=block_rows, BLOCK_COLS=block_cols,
-        ACC_DTYPE=_accumulator(dtype),
+        MODE=mode.value, BROADCAST_B=_rows_and_columns(b)[1] == 1 and n_cols != 1, BLOCK_ROWS=block_rows,
+        BLOCK_COLS=block_cols, ACC_DTYPE=_accumulator(rows.dtype),
         num_warps=4,
     )
     return out
