@@ -6,7 +6,9 @@ registered autograd formula, *and* the same implementation and formula as a plai
 ``torch.autograd.Function``. A call takes one of the two:
 
 * **eager** (the common case): the ``autograd.Function``, which costs the host less per
-  call than the dispatcher's path through a custom op;
+  call than the dispatcher's path through a custom op; with gradients off (inference,
+  ``torch.no_grad``, and a backward that builds no graph) the implementation itself,
+  since there is nothing to record;
 * **under a** ``torch.func`` **transform** (``grad``, ``vjp``, ``jacrev``, ...): the same
   function in the form those transforms need (a separate ``setup_context``).
   ``torch.func.vmap`` is refused with a clear error: the kernels take whole packed
@@ -116,6 +118,10 @@ class Operator:
             return self.functional.apply(*args)
         if is_traced(*args):
             return self.custom_op(*args)
+        if not torch.is_grad_enabled():
+            # nothing for autograd to record: the implementation alone, without the
+            # Function's bookkeeping (a backward that builds no graph calls its operators so)
+            return self.impl(*args)
         return self.eager.apply(*args)
 
     def within(self, ctx) -> Callable:

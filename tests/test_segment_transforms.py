@@ -138,6 +138,30 @@ def test_compile_fullgraph_forward_and_backward_match_eager(op, idx_dtype, devic
 
 
 
+def test_calls_without_gradients_skip_the_autograd_function(device, monkeypatch):
+    """With gradients off (``no_grad``, and a backward that builds no graph) an operator
+    runs its implementation alone; with them on (``create_graph=True``), its
+    ``autograd.Function``. Same results either way."""
+    inputs, idx, S = case_inputs("sum", device)
+    x = inputs[0].requires_grad_()
+    want = padded_torch.segmented_sum_padded(x.detach(), idx, S)
+
+    class Refused:
+        @staticmethod
+        def apply(*args):
+            raise AssertionError("autograd.Function applied")
+
+    monkeypatch.setattr(api.segment_gather_op, "eager", Refused)
+    with torch.no_grad():
+        assert_close("sum without grad", api.segment_sum_op(x, idx, S, None), want, atol=1e-12, rtol=1e-12)
+    out = pk.segmented_sum(x, idx, S)
+    grad_out = torch.randn_like(out)
+    (grad,) = torch.autograd.grad(out, x, grad_out)  # the backward's gather: no graph, no Function
+    assert_close("d/dx", grad, grad_out[idx], atol=0, rtol=0)
+    with pytest.raises(AssertionError, match="autograd.Function applied"):
+        torch.autograd.grad(pk.segmented_sum(x, idx, S), x, grad_out, create_graph=True)
+
+
 def test_mean_backward_counts_the_rows_when_the_forward_did_not(device):
     """A ``mean`` whose forward skipped the row counts (``with_counts=False``, as a tracer
     or opcheck may call it) is still differentiable, to second order, on every path: the
