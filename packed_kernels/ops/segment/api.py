@@ -235,9 +235,9 @@ def _operator(name: str):
 
 @_operator("sum")
 def segment_sum_op(x: Tensor, idx: Tensor, num_segments: int, config: Optional[str]) -> Tensor:
-    """``(S,)`` for an ``(N,)`` ``x``, ``(S, D)`` for ``(N, D)``: taking either shape, the
-    op leaves autograd no reshaped views to track (as its adjoint, gather, and mean and
-    its adjoint)."""
+    """``(S,)`` for an ``(N,)`` ``x``, ``(S, D)`` for ``(N, D)``. Taking both shapes (as
+    ``gather``, ``mean`` and ``gather_over_count`` do), the operator needs no reshaped
+    views around it, each of which would be one more node for autograd."""
     return tk.segment_reduce_triton(x.contiguous(), None, idx, num_segments, tk.ROW_VALUE, tk.TOTAL, False,
                                     config=_config(config))[0]
 
