@@ -125,8 +125,9 @@ class Operator:
         return self.eager.apply(*args)
 
     def within(self, ctx) -> Callable:
-        """The operator as a backward formula calls it: the ``autograd.Function`` inside an
-        eager backward, the custom op inside the custom op's backward (what tracing sees)."""
+        """The operator as a backward formula calls it: inside an eager backward, the eager
+        call (the ``autograd.Function`` where the backward builds a graph, else the
+        implementation); inside the custom op's backward, the custom op (what tracing sees)."""
         return self.__call__ if getattr(ctx, "eager", False) else self.custom_op
 
 
