@@ -614,8 +614,8 @@ def _group_columns_real(n: tl.constexpr, LANES: tl.constexpr):
 @triton.jit
 def _group_balanced_exp(x, real, n: tl.constexpr):
     """``(u0, K)`` of :func:`_balanced_exp` for column-group entries ``x``: ``K`` as
-    ``4 n`` entries ``[ROWS, LANES]``, ``u0`` as ``n`` vectors ``[ROWS]``; padded
-    columns (``real`` false) get ``K = 0``."""
+    ``4 n`` entries ``[ROWS, LANES]``, ``u0`` as ``n`` entries ``[ROWS, 1]`` (the same in
+    every lane of a group); padded columns (``real`` false) get ``K = 0``."""
     col_max = ()
     for c in tl.static_range(4):
         m = x[c]
@@ -628,11 +628,21 @@ def _group_balanced_exp(x, real, n: tl.constexpr):
         shifted = ()
         for c in tl.static_range(4):
             shifted = shifted + (tl.where(real[c], x[4 * i + c] - col_max[c], float("-inf")),)
-        rho = tl.max(tl.maximum(tl.maximum(shifted[0], shifted[1]), tl.maximum(shifted[2], shifted[3])), axis=1)
+        rho = tl.max(tl.maximum(tl.maximum(shifted[0], shifted[1]), tl.maximum(shifted[2], shifted[3])), axis=1,
+                     keep_dims=True)
         for c in tl.static_range(4):
-            K = K + (tl.exp(shifted[c] - rho[:, None]),)
+            K = K + (tl.exp(shifted[c] - rho),)
         u0 = u0 + (tl.exp(rho),)
     return u0, K
+
+
+@triton.jit
+def _group_ones(n: tl.constexpr, ROWS: tl.constexpr, WIDTH: tl.constexpr, COMPUTE: tl.constexpr):
+    """The scaling vector ``u = 1`` after an absorption: ``n`` entries ``[ROWS, WIDTH]``."""
+    u = ()
+    for i in tl.static_range(n):
+        u = u + (tl.full((ROWS, WIDTH), 1.0, COMPUTE),)
+    return u
 
 
 @triton.jit
@@ -641,22 +651,96 @@ def _group_column_step(K, u, real, n: tl.constexpr, FAST: tl.constexpr):
     sums to 0 and gets ``v = 0``, so that ``K v`` meets no ``0 * inf``."""
     v = ()
     for c in tl.static_range(4):
-        s = K[c] * u[0][:, None]
+        s = K[c] * u[0]
         for i in tl.static_range(1, n):
-            s += K[4 * i + c] * u[i][:, None]
+            s += K[4 * i + c] * u[i]
         v = v + (tl.where(real[c], _reciprocal(tl.where(real[c], s, 1.0), FAST), 0.0),)
     return v
 
 
 @triton.jit
+def _group_row_parts(K, v, n: tl.constexpr):
+    """A lane's four-column part of every row sum of ``K v``."""
+    part = ()
+    for i in tl.static_range(n):
+        p = K[4 * i] * v[0]
+        for c in tl.static_range(1, 4):
+            p += K[4 * i + c] * v[c]
+        part = part + (p,)
+    return part
+
+
+@triton.jit
 def _group_row_step(K, v, n: tl.constexpr, FAST: tl.constexpr):
-    """``u = 1 / (K v)``: each lane adds its four columns, the group adds the lanes' parts."""
+    """``u = 1 / (K v)``: each lane adds its four columns, the group adds the lanes' parts
+    (a butterfly: every lane ends with every sum, and takes every reciprocal)."""
+    part = _group_row_parts(K, v, n)
     u = ()
     for i in tl.static_range(n):
-        part = K[4 * i] * v[0]
-        for c in tl.static_range(1, 4):
-            part += K[4 * i + c] * v[c]
-        u = u + (_reciprocal(tl.sum(part, axis=1), FAST),)
+        u = u + (_reciprocal(tl.sum(part[i], axis=1, keep_dims=True), FAST),)
+    return u
+
+
+@triton.jit
+def _lane_partner(x, M: tl.constexpr):
+    """``x`` (``[ROWS, LANES]``) as lane ``l ^ M`` of each group holds it: the other
+    element of every pair ``(l, l ^ M)``, exactly. Each element's bits are xored with the
+    pair's xor; compiled, that is one butterfly shuffle (the two xors cancel)."""
+    ROWS: tl.constexpr = x.shape[0]
+    LANES: tl.constexpr = x.shape[1]
+    if x.dtype == tl.float64:
+        bits = x.to(tl.int64, bitcast=True)
+    else:
+        bits = x.to(tl.int32, bitcast=True)
+    pairs = tl.reshape(bits, (ROWS, LANES // (2 * M), 2, M))
+    pairs = pairs ^ tl.xor_sum(pairs, axis=2, keep_dims=True)
+    return tl.reshape(pairs, (ROWS, LANES)).to(x.dtype, bitcast=True)
+
+
+@triton.jit
+def _lane_row_order(x, n: tl.constexpr, WIDTH: tl.constexpr, LANES: tl.constexpr):
+    """Column-group entries (``WIDTH`` a row, ``n = 4 LANES`` rows) rearranged so that
+    row slot ``s`` of lane ``l`` holds row ``s ^ 4 l``. It is its own inverse."""
+    lane = tl.arange(0, LANES)[None, :]
+    for j in tl.static_range(3):
+        if (1 << j) < LANES:
+            flip = ((lane >> j) & 1) == 1
+            y = ()
+            for s in tl.static_range(n):
+                for c in tl.static_range(WIDTH):
+                    y = y + (tl.where(flip, x[WIDTH * (s ^ (4 << j)) + c], x[WIDTH * s + c]),)
+            x = y
+    return x
+
+
+@triton.jit
+def _group_row_step_scattered(K, v, n: tl.constexpr, LANES: tl.constexpr, FAST: tl.constexpr):
+    """``u = 1 / (K v)`` for entries in :func:`_lane_row_order` (``n = 4 LANES``).
+
+    The lanes' parts are reduce-scattered: each exchange with lane ``l ^ M`` adds the
+    partner's upper half of the slots to one's own lower half (the partner holds the same
+    rows there), so that after ``log2 LANES`` exchanges each lane holds four whole sums
+    (its rows ``4 l`` to ``4 l + 3``) and takes four reciprocals; ``log2 LANES`` more
+    exchanges gather the rest. Against the butterfly of :func:`_group_row_step`: ``2 (n -
+    4)`` exchanges, ``n - 4`` additions and 4 reciprocals a lane instead of ``n log2
+    LANES``, ``n log2 LANES`` and ``n``.
+    """
+    part = _group_row_parts(K, v, n)
+    for j in tl.static_range(3):
+        if (2 << j) <= LANES:
+            kept = ()
+            for s in tl.static_range(n >> (j + 1)):
+                kept = kept + (part[s] + _lane_partner(part[s + (n >> (j + 1))], LANES >> (j + 1)),)
+            part = kept
+    u = ()
+    for s in tl.static_range(4):
+        u = u + (_reciprocal(part[s], FAST),)
+    for j in tl.static_range(3):
+        if (1 << j) < LANES:
+            gathered = ()
+            for s in tl.static_range(4 << j):
+                gathered = gathered + (_lane_partner(u[s], 1 << j),)
+            u = u + gathered
     return u
 
 
@@ -665,7 +749,7 @@ def _group_scaled_entries(u, K, v, n: tl.constexpr):
     """``diag(u) K diag(v)`` on column-group entries."""
     R = ()
     for k in tl.static_range(4 * n):
-        R = R + (K[k] * u[k // 4][:, None] * v[k % 4],)
+        R = R + (K[k] * u[k // 4] * v[k % 4],)
     return R
 
 
@@ -681,18 +765,31 @@ def sinkhorn_forward_group_kernel(logits_ptr, out_ptr, num_tokens, iters,
     then holds all of ``u``); every ``ABSORB`` iterations ``K = diag(u) K diag(v)``,
     ``u = 1`` (:func:`absorb_period`). Padded columns (``n`` not a multiple of 4 or
     ``N < 4 LANES``) hold ``K = 0`` and ``v = 0``; rows beyond ``n`` do not exist.
+    Where the rows fill the group (``n = 4 LANES``: 16 and 32) each lane holds the rows
+    in its own order (:func:`_lane_row_order`) and the group reduce-scatters the row
+    sums (:func:`_group_row_step_scattered`).
     """
+    SCATTER: tl.constexpr = n == 4 * LANES
+    WIDTH: tl.constexpr = LANES if SCATTER else 1  # of each entry of u
     first = tl.program_id(0) * BLOCK
     real = _group_columns_real(n, LANES)
     x = _load_column_group(logits_ptr, first, num_tokens, n, BLOCK, LANES, COMPUTE)
     u, K = _group_balanced_exp(x, real, n)
+    if SCATTER:
+        K = _lane_row_order(K, n, 4, LANES)
+        u = _lane_row_order(u, n, 1, LANES)
     v = (K[0], K[1], K[2], K[3])
     for start in range(0, iters, ABSORB):
         for _ in range(start, tl.minimum(start + ABSORB, iters)):
             v = _group_column_step(K, u, real, n, FAST)
-            u = _group_row_step(K, v, n, FAST)
+            if SCATTER:
+                u = _group_row_step_scattered(K, v, n, LANES, FAST)
+            else:
+                u = _group_row_step(K, v, n, FAST)
         K = _group_scaled_entries(u, K, v, n)
-        u = _ones(n, BLOCK, COMPUTE)
+        u = _group_ones(n, BLOCK, WIDTH, COMPUTE)
+    if SCATTER:
+        K = _lane_row_order(K, n, 4, LANES)
     _store_column_group(out_ptr, K, first, num_tokens, n, BLOCK, LANES)
 
 
