@@ -806,15 +806,19 @@ def _group_row_sum(x0, x1, x2, x3):
 
 
 @triton.jit
-def _group_row_terms(R_ptr, grad_ptr, first, i, num_tokens, n: tl.constexpr, ROWS: tl.constexpr,
+def _group_row_loads(R_ptr, grad_ptr, first, i, num_tokens, n: tl.constexpr, ROWS: tl.constexpr,
                      LANES: tl.constexpr, COMPUTE: tl.constexpr):
-    """Row ``i`` of ``R`` and ``dR`` (four columns each), ``1 / r_i`` and ``a_i`` (the row
-    sums of ``R`` and ``R * dR``, ``[ROWS, 1]`` in every lane)."""
-    R_i = _load_group_row(R_ptr, first, i, num_tokens, n, ROWS, LANES, COMPUTE)
-    dR_i = _load_group_row(grad_ptr, first, i, num_tokens, n, ROWS, LANES, COMPUTE)
+    """Row ``i`` of ``R`` and of ``dR``, four columns each."""
+    return (_load_group_row(R_ptr, first, i, num_tokens, n, ROWS, LANES, COMPUTE),
+            _load_group_row(grad_ptr, first, i, num_tokens, n, ROWS, LANES, COMPUTE))
+
+
+@triton.jit
+def _group_row_terms(R_i, dR_i):
+    """``1 / r_i`` and ``a_i``, the row sums of ``R`` and ``R * dR`` (``[ROWS, 1]`` in every lane)."""
     inv_r = _inverse_or_zero(_group_row_sum(R_i[0], R_i[1], R_i[2], R_i[3]))[:, None]
     a_i = _group_row_sum(R_i[0] * dR_i[0], R_i[1] * dR_i[1], R_i[2] * dR_i[2], R_i[3] * dR_i[3])[:, None]
-    return R_i, dR_i, inv_r, a_i
+    return inv_r, a_i
 
 
 @triton.jit
@@ -858,8 +862,14 @@ def sinkhorn_implicit_backward_group_kernel(R_ptr, grad_ptr, out_ptr, num_tokens
     W = ()
     for k in tl.static_range(4 * n):
         W = W + (zero,)
+    # Each pass over the rows loads row i + 1 before working on row i, so that a load's
+    # latency hides behind a row's arithmetic (the last load, of row 0 again, is cached).
+    R_next, dR_next = _group_row_loads(R_ptr, grad_ptr, first, 0, num_tokens, n, BLOCK, LANES, COMPUTE)
     for i in range(n):
-        R_i, dR_i, inv_r, a_i = _group_row_terms(R_ptr, grad_ptr, first, i, num_tokens, n, BLOCK, LANES, COMPUTE)
+        R_i, dR_i = R_next, dR_next
+        R_next, dR_next = _group_row_loads(R_ptr, grad_ptr, first, (i + 1) % n, num_tokens, n, BLOCK, LANES,
+                                           COMPUTE)
+        inv_r, a_i = _group_row_terms(R_i, dR_i)
         s_i = a_i * inv_r
         h = (h[0] + R_i[0] * (dR_i[0] - s_i), h[1] + R_i[1] * (dR_i[1] - s_i),
              h[2] + R_i[2] * (dR_i[2] - s_i), h[3] + R_i[3] * (dR_i[3] - s_i))
@@ -907,8 +917,12 @@ def sinkhorn_implicit_backward_group_kernel(R_ptr, grad_ptr, out_ptr, num_tokens
         beta_p = (h[p % 4] + tl.sum(part, axis=1)[:, None]) * inv_pivot[p % 4]
         beta = _with_column(beta, p % 4, tl.where(lane == p // 4, beta_p, beta[p % 4]))
 
+    R_next, dR_next = _group_row_loads(R_ptr, grad_ptr, first, 0, num_tokens, n, BLOCK, LANES, COMPUTE)
     for i in range(n):
-        R_i, dR_i, inv_r, a_i = _group_row_terms(R_ptr, grad_ptr, first, i, num_tokens, n, BLOCK, LANES, COMPUTE)
+        R_i, dR_i = R_next, dR_next
+        R_next, dR_next = _group_row_loads(R_ptr, grad_ptr, first, (i + 1) % n, num_tokens, n, BLOCK, LANES,
+                                           COMPUTE)
+        inv_r, a_i = _group_row_terms(R_i, dR_i)
         s_i = _group_row_sum(R_i[0] * beta[0], R_i[1] * beta[1], R_i[2] * beta[2], R_i[3] * beta[3])
         alpha = inv_r * (a_i - s_i[:, None])
         dX = (R_i[0] * (dR_i[0] - alpha - beta[0]), R_i[1] * (dR_i[1] - alpha - beta[1]),
@@ -1670,8 +1684,7 @@ def _launch_unrolled_backward(out, logits, grad_R, iters, config: UnrolledBackwa
                                                       ITERS=iters, BLOCK=config.block,
                                                       ABSORB=config.absorb_every, FAST=_fast(logits.dtype),
                                                       COMPUTE=_compute_dtype(logits.dtype),
-                                                      num_warps=config.num_warps,
-                                                      **runtime.register_cap(config.max_registers))
+                                                      num_warps=config.num_warps)
         return
     N = runtime.next_power_of_2(n)
     seg_len, num_segs, SEG, SEGS = checkpoint_segments(iters)
