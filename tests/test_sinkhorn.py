@@ -254,6 +254,26 @@ def test_launch_in_slices_launches_once_per_slice():
     assert torch.equal(out, x + g)
 
 
+def test_unrolled_backward_launch_takes_the_configured_register_cap(monkeypatch):
+    # The n = 4 float32 configuration caps registers; the cap must reach the launch
+    # (the kernel is stubbed: this checks what the launcher asks for, not the compiler).
+    config = triton_kernels.unrolled_backward_config(4, torch.float32, 20)
+    assert config.max_registers is not None and not config.scratch
+    caps, launches = [], []
+    real_cap = runtime.register_cap
+    monkeypatch.setattr(runtime, "register_cap", lambda cap: caps.append(cap) or real_cap(cap))
+
+    class Kernel:
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: launches.append(grid)
+
+    monkeypatch.setattr(triton_kernels, "sinkhorn_unrolled_backward_small_kernel", Kernel())
+    x = torch.randn(300, 4, 4)
+    triton_kernels._launch_unrolled_backward(torch.empty_like(x), x, torch.randn_like(x), 20, config)
+    assert launches == [(runtime.cdiv(300, config.block),)]
+    assert caps == [config.max_registers]
+
+
 @pytest.mark.parametrize("n,iters", [(8, 20), (4, 30), (2, 40)], ids=lambda v: str(v))
 def test_unrolled_scratch_variant_loops_over_tiles(device, n, iters):
     # n = 8, or more iterations than the registers keep: u_t of every iteration goes to a

@@ -1684,7 +1684,8 @@ def _launch_unrolled_backward(out, logits, grad_R, iters, config: UnrolledBackwa
                                                       ITERS=iters, BLOCK=config.block,
                                                       ABSORB=config.absorb_every, FAST=_fast(logits.dtype),
                                                       COMPUTE=_compute_dtype(logits.dtype),
-                                                      num_warps=config.num_warps)
+                                                      num_warps=config.num_warps,
+                                                      **runtime.register_cap(config.max_registers))
         return
     N = runtime.next_power_of_2(n)
     seg_len, num_segs, SEG, SEGS = checkpoint_segments(iters)
