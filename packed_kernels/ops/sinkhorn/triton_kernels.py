@@ -1278,7 +1278,9 @@ def sinkhorn_unrolled_backward_scratch_kernel(logits_ptr, grad_ptr, out_ptr, scr
         tok = tile * BLOCK + lanes
         offsets = tok[:, None].to(tl.int64) * NN + cols[None, :]
         mask = tok[:, None] < num_tokens
-        x = split_columns(tl.load(logits_ptr + offsets, mask=mask, other=0.0).to(COMPUTE), BLOCK, NN, BITS)
+        # X, dR and dX pass through once: marked to leave L2 first, so that the scratch stays
+        x = split_columns(tl.load(logits_ptr + offsets, mask=mask, other=0.0, eviction_policy="evict_first")
+                          .to(COMPUTE), BLOCK, NN, BITS)
         u, K = _shifted_exp_entries(x, n)
         _store_vector(base, u, n, BLOCK, PTX)
         v = u
@@ -1291,7 +1293,8 @@ def sinkhorn_unrolled_backward_scratch_kernel(logits_ptr, grad_ptr, out_ptr, scr
             K = _scaled_entries(u, K, v, n)
             u = ones
         tl.debug_barrier()  # the reverse loop may read what other threads of the program wrote
-        G = split_columns(tl.load(grad_ptr + offsets, mask=mask, other=0.0).to(COMPUTE), BLOCK, NN, BITS)
+        G = split_columns(tl.load(grad_ptr + offsets, mask=mask, other=0.0, eviction_policy="evict_first")
+                          .to(COMPUTE), BLOCK, NN, BITS)
         Gbar, da, db_out = _reverse_start(G, K, n)
         for b_back in range(num_blocks):
             b = num_blocks - 1 - b_back
@@ -1307,15 +1310,21 @@ def sinkhorn_unrolled_backward_scratch_kernel(logits_ptr, grad_ptr, out_ptr, scr
             u_t = _load_vector(base + (start + count) * slot_size, n, BLOCK, PTX)
             # the u entering a block's first iteration: u0 (slot 0), or 1 after an absorption
             u_prev = _load_scaling(base + (start + count - 1) * slot_size, (count == 1) & (b > 0), n, BLOCK, PTX)
+            # one iteration ahead, so that the load's latency hides behind a reverse step
+            u_next = _load_scaling(base + tl.maximum(start + count - 2, 0) * slot_size, (count == 2) & (b > 0),
+                                   n, BLOCK, PTX)
             A, da = _reverse_step(K, K, da, u_t, u_prev, _column_step(K, u_prev, n, FAST), db_out, n, True)
             for back in range(1, count):
                 u_t = u_prev
+                u_prev = u_next
                 t = start + count - back  # the iteration whose input u_prev is
-                u_prev = _load_scaling(base + (t - 1) * slot_size, (t - 1 == start) & (b > 0), n, BLOCK, PTX)
+                u_next = _load_scaling(base + tl.maximum(t - 2, 0) * slot_size, (t - 2 == start) & (b > 0),
+                                       n, BLOCK, PTX)
                 A, da = _reverse_step(K, A, da, u_t, u_prev, _column_step(K, u_prev, n, FAST), db_out, n, False)
             tl.debug_barrier()
             Gbar = _block_log_gradient(_load_pinned(matrices + b * matrix_size, NN, BLOCK, PTX), A, K, n)
-        tl.store(out_ptr + offsets, join_columns(Gbar, BLOCK, NN, BITS).to(out_ptr.dtype.element_ty), mask=mask)
+        tl.store(out_ptr + offsets, join_columns(Gbar, BLOCK, NN, BITS).to(out_ptr.dtype.element_ty), mask=mask,
+                 cache_modifier=".cs")
         tl.debug_barrier()  # the next tile overwrites the scratch
 
 
