@@ -1582,6 +1582,11 @@ def unrolled_backward_config(n: int, dtype: torch.dtype, iters: int, *,
     # most iterations whose scaling vectors the registers hold, per n
     scratch = iters > {2: 32, 4: 24, 8: 0}[n]
     block = _token_per_thread_block(n, dtype)
+    if n == 4 and scratch:
+        # the programs loop over tiles, so all of them should be resident at once: in
+        # float32 eight programs of 64 tokens fit an SM's registers; of 128 tokens seven
+        # would, and the eighth would run its share of the tiles alone afterwards
+        block = 64
     max_registers = None
     if n == 4 and not scratch and dtype != torch.float64:
         # a register cap trades a few spills (which stay in cache) for more warps per SM
