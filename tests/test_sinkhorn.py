@@ -274,6 +274,17 @@ def test_unrolled_backward_launch_takes_the_configured_register_cap(monkeypatch)
     assert caps == [config.max_registers]
 
 
+def test_unrolled_scratch_variant_at_n4_takes_programs_that_all_fit():
+    # The scratch programs loop over tiles, so a program that is not resident runs its
+    # tiles after the others: at n = 4 eight 128-token programs an SM do not fit its
+    # registers in float32, eight 64-token programs do.
+    config = triton_kernels.unrolled_backward_config(4, torch.float32, 30)
+    assert config.scratch and config.scratch_programs_per_sm == 8
+    assert config.block == 64 and config.num_warps == 2
+    # at n = 2 (32 registers a thread in float32) eight 128-token programs fit
+    assert triton_kernels.unrolled_backward_config(2, torch.float32, 40).block == 128
+
+
 @pytest.mark.parametrize("n,iters", [(8, 20), (4, 30), (2, 40)], ids=lambda v: str(v))
 def test_unrolled_scratch_variant_loops_over_tiles(device, n, iters):
     # n = 8, or more iterations than the registers keep: u_t of every iteration goes to a
