@@ -94,6 +94,110 @@ def on_inputs_device(launcher):
     return launch
 
 
+class CachedLaunch:
+    """A ``@triton.jit`` kernel launched as ``kernel[grid](*args, **kwargs)``, with the
+    JIT's per-call work done once per specialisation.
+
+    Each launch through Triton's JIT binds the arguments, works out their
+    specialisation (tensor dtypes, 16-byte aligned pointers, integers equal to 1 or
+    divisible by 16), formats the options into a cache key and builds launch metadata:
+    host time comparable to a small kernel's GPU time. Here the first launch of each
+    specialisation goes through the JIT and keeps the compiled kernel it returns; later
+    launches with the same key call that kernel's launcher directly. The key holds every
+    fact the JIT specialises on, and more: the current device, the keyword arguments
+    (constexprs and options) as given, each tensor's dtype and whether its address is a
+    multiple of 16, and for each integer whether it is 1, whether it is a multiple of 16
+    and which integer type holds it; so two launches with one key compile to the same
+    kernel.
+
+    The JIT takes the launch (and nothing is cached) under the interpreter, when a
+    launch hook is installed (profilers see what they expect), for a callable grid, and
+    for argument types the key does not describe. Attribute access falls through to the
+    kernel, so the object stands wherever the ``JITFunction`` did.
+    """
+
+    def __init__(self, kernel):
+        self.kernel = kernel
+        self._compiled = {}
+
+    def __getattr__(self, name):
+        return getattr(self.kernel, name)
+
+    def __getitem__(self, grid):
+        return functools.partial(self._launch, grid)
+
+    def _launch(self, grid, *args, **kwargs):
+        if INTERPRETED or callable(grid) or _launch_hooks_installed():
+            return self.kernel[grid](*args, **kwargs)
+        device = _current_device()
+        try:
+            key = (device, tuple(kwargs.items()), *[_specialisation_of[type(a)](a) for a in args])
+        except (KeyError, TypeError):  # an argument type or option value the key does not describe
+            return self.kernel[grid](*args, **kwargs)
+        entry = self._compiled.get(key)
+        if entry is None:
+            compiled = self.kernel[grid](*args, **kwargs)
+            if type(compiled).__name__ == "CompiledKernel":
+                names = self.kernel.arg_names
+                if all(name in kwargs for name in names[len(args):]):
+                    # the launcher takes every parameter in order, constexprs included
+                    tail = tuple(kwargs[name] for name in names[len(args):])
+                    self._compiled[key] = (compiled, compiled.run, compiled.function, compiled.packed_metadata, tail)
+            return compiled
+        compiled, run, function, metadata, tail = entry
+        grid = (*grid, 1, 1)
+        run(grid[0], grid[1], grid[2], _current_stream(device), function, metadata, None, None, None, *args, *tail)
+        return compiled
+
+
+def _current_device() -> int:
+    from triton.runtime import driver
+
+    return driver.active.get_current_device()
+
+
+def _current_stream(device: int):
+    from triton.runtime import driver
+
+    return driver.active.get_current_stream(device)
+
+
+def _launch_hooks_installed() -> bool:
+    """Whether a Triton launch hook is set (Triton releases with ``triton.knobs`` keep
+    them in chains, which are empty unless a hook was added)."""
+    import triton
+
+    knobs = getattr(triton, "knobs", None)
+    if knobs is None:
+        return True  # a release whose hooks live elsewhere: leave every launch to the JIT
+    return any(hook is not None and getattr(hook, "calls", True)
+               for hook in (knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook))
+
+
+def _integer_specialisation(value: int):
+    return (value == 1, value % 16 == 0, -2 ** 31 <= value < 2 ** 31, value < 2 ** 63)
+
+
+def _tensor_specialisation(value: torch.Tensor):
+    return value.dtype, value.data_ptr() % 16 == 0
+
+
+#: What the JIT specialises each argument type on (see :class:`CachedLaunch`).
+_specialisation_of = {
+    torch.Tensor: _tensor_specialisation,
+    torch.nn.Parameter: _tensor_specialisation,
+    int: _integer_specialisation,
+    bool: lambda value: ("bool", value),
+    float: lambda value: "float",
+    type(None): lambda value: None,
+}
+
+
+def cached_launch(kernel) -> CachedLaunch:
+    """Decorator form, above ``@triton.jit``: the kernel launched through :class:`CachedLaunch`."""
+    return CachedLaunch(kernel)
+
+
 def cdiv(a: int, b: int) -> int:
     """``ceil(a / b)`` for launch grids: plain Python (``triton.cdiv`` is a Triton
     constexpr function in recent releases, several times slower to call from the host)."""
