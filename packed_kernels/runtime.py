@@ -110,7 +110,7 @@ class CachedLaunch:
     and which integer type holds it; so two launches with one key compile to the same
     kernel.
 
-    The JIT takes the launch (and nothing is cached) under the interpreter, when a
+    The JIT takes the launch (and nothing is cached) for an interpreted kernel, when a
     launch hook is installed (profilers see what they expect), for a callable grid, and
     for argument types the key does not describe. Attribute access falls through to the
     kernel, so the object stands wherever the ``JITFunction`` did.
@@ -118,6 +118,9 @@ class CachedLaunch:
 
     def __init__(self, kernel):
         self.kernel = kernel
+        #: False where Triton chose the interpreter when the kernel was decorated (a
+        #: later change of :data:`INTERPRETED` does not make it compiled code)
+        self.compiles = type(kernel).__name__ == "JITFunction"
         self._compiled = {}
 
     def __getattr__(self, name):
@@ -127,7 +130,7 @@ class CachedLaunch:
         return functools.partial(self._launch, grid)
 
     def _launch(self, grid, *args, **kwargs):
-        if INTERPRETED or callable(grid) or _launch_hooks_installed():
+        if not self.compiles or callable(grid) or _launch_hooks_installed():
             return self.kernel[grid](*args, **kwargs)
         device = _current_device()
         try:

@@ -71,12 +71,14 @@ class FakeJIT:
 def fake_gpu(monkeypatch):
     from packed_kernels import runtime
 
-    monkeypatch.setattr(runtime, "INTERPRETED", False)
     monkeypatch.setattr(runtime, "_current_device", lambda: 0)
     monkeypatch.setattr(runtime, "_current_stream", lambda device: 1234)
     monkeypatch.setattr(runtime, "_launch_hooks_installed", lambda: False)
     jit = FakeJIT()
-    return jit, runtime.CachedLaunch(jit)
+    kernel = runtime.CachedLaunch(jit)
+    assert not kernel.compiles  # (not a JITFunction)
+    kernel.compiles = True
+    return jit, kernel
 
 
 def test_cached_launch_calls_the_compiled_launcher_with_every_parameter_in_order(fake_gpu):
@@ -132,9 +134,16 @@ def test_cached_launch_leaves_hooked_interpreted_and_unknown_launches_to_the_jit
     monkeypatch.setattr(runtime, "_launch_hooks_installed", lambda: False)
     kernel[(1,)](x, [100], BLOCK=32)  # a type the key does not describe
     kernel[lambda meta: (1,)](x, 100, BLOCK=32)  # a callable grid
-    monkeypatch.setattr(runtime, "INTERPRETED", True)
+    kernel.compiles = False  # an interpreted kernel
     kernel[(1,)](x, 100, BLOCK=32)
     assert len(jit.compiled) == 5 and all(c.launches == [] for c in jit.compiled)
+
+
+def test_the_package_kernels_compile_exactly_where_triton_compiles():
+    from packed_kernels import runtime
+    from packed_kernels.ops.segment import triton_kernels as tk
+
+    assert tk.segment_sum_rows_kernel.compiles == (not runtime.INTERPRETED)
 
 
 def test_launch_hooks_installed_sees_a_hook_added_to_tritons_chain():
