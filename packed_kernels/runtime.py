@@ -96,7 +96,7 @@ def on_inputs_device(launcher):
 
 class CachedLaunch:
     """A ``@triton.jit`` kernel launched as ``kernel[grid](*args, **kwargs)``, with the
-    JIT's per-call work done once per specialisation.
+    JIT's per-call work done once per specialisation (as a decorator, above ``@triton.jit``).
 
     Each launch through Triton's JIT binds the arguments, works out their
     specialisation (tensor dtypes, 16-byte aligned pointers, integers equal to 1 or
@@ -194,11 +194,6 @@ _specialisation_of = {
     float: lambda value: "float",
     type(None): lambda value: None,
 }
-
-
-def cached_launch(kernel) -> CachedLaunch:
-    """Decorator form, above ``@triton.jit``: the kernel launched through :class:`CachedLaunch`."""
-    return CachedLaunch(kernel)
 
 
 def cdiv(a: int, b: int) -> int:

@@ -133,7 +133,7 @@ def _zero_outer_segments(out_ptr, counts_ptr, idx_ptr, N, num_segments, cols, co
         _zero_rows(out_ptr, counts_ptr, fill, e < n_empty, cols, col_ok, n_cols, counts_block, WRITE_COUNTS)
 
 
-@runtime.cached_launch
+@runtime.CachedLaunch
 @triton.jit
 def segment_reduce_chunks_kernel(
     x_ptr, y_ptr, idx_ptr, out_ptr, counts_ptr,
@@ -277,7 +277,7 @@ def _lane_rows(x_ptr, base, N, COLS: tl.constexpr, ROWS_PER_THREAD: tl.constexpr
     return flat
 
 
-@runtime.cached_launch
+@runtime.CachedLaunch
 @triton.jit
 def segment_sum_rows_kernel(
     x_ptr, idx_ptr, out_ptr, counts_ptr,
@@ -430,7 +430,7 @@ def segment_sum_rows_kernel(
     tl.store(part_count_ptr + part + 1 + lane * 0, tl.where(is_tail, carried_count, 0), mask=at_last_lane)
 
 
-@runtime.cached_launch
+@runtime.CachedLaunch
 @triton.jit
 def segment_reduce_combine_kernel(
     part_value_ptr, part_segment_ptr, part_count_ptr, out_ptr, counts_ptr,
@@ -503,7 +503,7 @@ def segment_reduce_combine_kernel(
             tl.store(counts_ptr + segment64, count, mask=last)
 
 
-@runtime.cached_launch
+@runtime.CachedLaunch
 @triton.jit
 def segment_rowwise_kernel(
     a_ptr, b_ptr, counts_ptr, r_ptr, idx_ptr, out_ptr,
@@ -559,7 +559,7 @@ def segment_rowwise_kernel(
     tl.store(out_ptr + rows64[:, None] * n_cols + cols[None, :], result.to(out_ptr.dtype.element_ty), mask=both)
 
 
-@runtime.cached_launch
+@runtime.CachedLaunch
 @triton.jit
 def segment_matvec_kernel(
     v_ptr, m_ptr, idx_ptr, out_ptr, N, D, K,
@@ -600,7 +600,7 @@ def segment_matvec_kernel(
         tl.store(out_ptr + rows64[:, None] * K + outs[None, :], acc.to(out_ptr.dtype.element_ty), mask=both)
 
 
-@runtime.cached_launch
+@runtime.CachedLaunch
 @triton.jit
 def rms_norm_double_backward_kernel(
     p_ptr, g_ptr, r_ptr, counts_ptr, grad_g_ptr, grad_r_ptr, S,
@@ -628,7 +628,7 @@ def rms_norm_double_backward_kernel(
     tl.store(grad_r_ptr + offsets, grad_r.to(grad_r_ptr.dtype.element_ty), mask=ok)
 
 
-@runtime.cached_launch
+@runtime.CachedLaunch
 @triton.jit
 def idx_check_kernel(idx_ptr, facts_ptr, N, BLOCK: tl.constexpr):
     """What the eager check of ``idx`` needs, in one read of ``idx``: ``facts[0] = idx[0]``,

@@ -172,7 +172,7 @@ def _pads(tile_start, num_tokens, n: tl.constexpr, N: tl.constexpr, BLOCK: tl.co
     return pad  # [BLOCK, N]: the same mask serves rows and columns
 
 
-@runtime.cached_launch
+@runtime.CachedLaunch
 @triton.jit
 def sinkhorn_forward_kernel(logits_ptr, out_ptr, num_tokens, iters,
                             n: tl.constexpr, N: tl.constexpr, BLOCK: tl.constexpr, ABSORB: tl.constexpr,
@@ -205,7 +205,7 @@ def sinkhorn_forward_kernel(logits_ptr, out_ptr, num_tokens, iters,
     _store_tile(out_ptr, K, offsets, mask, tile_start, num_tokens, n, N, BLOCK, FLAT)
 
 
-@runtime.cached_launch
+@runtime.CachedLaunch
 @triton.jit
 def sinkhorn_unrolled_backward_kernel(logits_ptr, grad_ptr, out_ptr, num_tokens, iters, seg_len, num_segs,
                                       n: tl.constexpr, N: tl.constexpr, BLOCK: tl.constexpr,
@@ -294,7 +294,7 @@ def _entry_of(v, i, N: tl.constexpr):
     return tl.sum(tl.where(tl.arange(0, N)[None, :] == i, v, 0.0), axis=1)
 
 
-@runtime.cached_launch
+@runtime.CachedLaunch
 @triton.jit
 def sinkhorn_implicit_backward_kernel(R_ptr, grad_ptr, out_ptr, num_tokens, cg_iters, rounding_floor, cut,
                                       n: tl.constexpr, N: tl.constexpr, BLOCK: tl.constexpr,
@@ -503,7 +503,7 @@ def _store_matrices(ptr, entries, first, num_tokens, NN: tl.constexpr, ROWS: tl.
     tl.store(ptrs, join_columns(entries, ROWS, NN, BITS).to(ptr.dtype.element_ty), mask=mask)
 
 
-@runtime.cached_launch
+@runtime.CachedLaunch
 @triton.jit
 def sinkhorn_forward_small_kernel(logits_ptr, out_ptr, num_tokens, iters,
                                   n: tl.constexpr, BITS: tl.constexpr, BLOCK: tl.constexpr,
@@ -757,7 +757,7 @@ def _group_scaled_entries(u, K, v, n: tl.constexpr):
     return R
 
 
-@runtime.cached_launch
+@runtime.CachedLaunch
 @triton.jit
 def sinkhorn_forward_group_kernel(logits_ptr, out_ptr, num_tokens, iters,
                                   n: tl.constexpr, LANES: tl.constexpr, BLOCK: tl.constexpr,
@@ -838,7 +838,7 @@ def _with_column(columns, C: tl.constexpr, value):
     return out
 
 
-@runtime.cached_launch
+@runtime.CachedLaunch
 @triton.jit
 def sinkhorn_implicit_backward_group_kernel(R_ptr, grad_ptr, out_ptr, num_tokens, cut,
                                             n: tl.constexpr, LANES: tl.constexpr, BLOCK: tl.constexpr,
@@ -936,7 +936,7 @@ def sinkhorn_implicit_backward_group_kernel(R_ptr, grad_ptr, out_ptr, num_tokens
         _store_group_row(out_ptr, dX, first, i, num_tokens, n, BLOCK, LANES)
 
 
-@runtime.cached_launch
+@runtime.CachedLaunch
 @triton.jit
 def sinkhorn_implicit_backward_small_kernel(R_ptr, grad_ptr, out_ptr, num_tokens, cut,
                                             n: tl.constexpr, BITS: tl.constexpr, BLOCK: tl.constexpr,
@@ -1183,7 +1183,7 @@ def _zeros(NN: tl.constexpr, BLOCK: tl.constexpr, COMPUTE: tl.constexpr):
     return z
 
 
-@runtime.cached_launch
+@runtime.CachedLaunch
 @triton.jit
 def sinkhorn_unrolled_backward_small_kernel(logits_ptr, grad_ptr, out_ptr, num_tokens,
                                             n: tl.constexpr, BITS: tl.constexpr, ITERS: tl.constexpr,
@@ -1253,7 +1253,7 @@ def sinkhorn_unrolled_backward_small_kernel(logits_ptr, grad_ptr, out_ptr, num_t
     tl.store(out_ptr + offsets, join_columns(Gbar, BLOCK, NN, BITS).to(out_ptr.dtype.element_ty), mask=mask)
 
 
-@runtime.cached_launch
+@runtime.CachedLaunch
 @triton.jit
 def sinkhorn_unrolled_backward_scratch_kernel(logits_ptr, grad_ptr, out_ptr, scratch_ptr, checkpoint_ptr,
                                               num_tokens, iters, num_tiles, n: tl.constexpr, BITS: tl.constexpr,
