@@ -2,6 +2,7 @@
 traced calls: custom ops, torch.compile, meta tensors and FakeTensorMode."""
 import doctest
 import warnings
+import weakref
 
 import numpy as np
 import pytest
@@ -127,6 +128,39 @@ def test_persistent_packed_zero_length_and_empty(device):
     for name, t, shape in (("y", out.data, (0, 16)), ("h_n", h, (4, 0, 8)), ("c_n", c, (4, 0, 8))):
         assert (t.shape, t.dtype, t.device.type) == (shape, torch.float32, device), name
     assert out.cu_seqlens.tolist() == [0] and out.lengths.numel() == 0
+
+
+def test_each_layer_drops_the_previous_layers_tensors(monkeypatch):
+    # A layer's projected inputs are read by its recurrence only, and its output by the
+    # next layer's projection only. Neither may be alive once its reader is done: the
+    # next projection would then be made beside the previous projected inputs, and the
+    # next output allocated beside the previous one.
+    from packed_kernels.ops.lstm import api
+
+    real_projection, real_output = api._input_projection, api._layer_output
+    projected, outputs = [], []
+
+    def projection(x, *args):
+        assert all(xw() is None for xw in projected), f"layer {len(projected)}'s projection: earlier inputs alive"
+        xw = real_projection(x, *args)
+        projected.append(weakref.ref(xw))
+        return xw
+
+    def output(*args):
+        assert all(out() is None for out in outputs), f"layer {len(outputs)}'s output: earlier output alive"
+        out = real_output(*args)
+        outputs.append(weakref.ref(out))
+        return out
+
+    monkeypatch.setattr(api, "_input_projection", projection)
+    monkeypatch.setattr(api, "_layer_output", output)
+    lstm = make_lstm(3, 8, 3, True)
+    x = torch.randn(2, 5, 3)
+    with torch.no_grad():
+        y, (h, c) = PersistentLSTM.from_torch(lstm)(x)
+        ref, (h_ref, c_ref) = lstm(x)
+    assert len(projected) == len(outputs) == 3
+    assert_outputs_close((y, (h, c)), (ref, (h_ref, c_ref)))
 
 
 # ----------------------------------------------------------------------------------------

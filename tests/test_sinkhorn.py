@@ -285,6 +285,30 @@ def test_unrolled_scratch_variant_at_n4_takes_programs_that_all_fit():
     assert triton_kernels.unrolled_backward_config(2, torch.float32, 40).block == 128
 
 
+@pytest.mark.parametrize("n", [17, 32], ids=lambda n: f"n{n}")
+def test_wide_column_group_forward_launches_one_warp_programs_under_a_register_cap(monkeypatch, n):
+    # Spread over eight lanes a matrix needs about 186 registers a thread in float32;
+    # the configuration caps them so that more programs fit an SM, and the cap must
+    # reach the launch (the kernel is stubbed: this checks what the launcher asks for).
+    config = triton_kernels.forward_config(n, torch.float32)
+    assert (config.block, config.num_warps, config.max_registers) == (4, 1, 168)
+    assert triton_kernels.forward_config(n, torch.float64).max_registers is None
+    assert triton_kernels.forward_config(16, torch.float32).max_registers is None
+    caps, launches = [], []
+    real_cap = runtime.register_cap
+    monkeypatch.setattr(runtime, "register_cap", lambda cap: caps.append(cap) or real_cap(cap))
+
+    class Kernel:
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: launches.append((grid, kwargs["num_warps"]))
+
+    monkeypatch.setattr(triton_kernels, "sinkhorn_forward_group_kernel", Kernel())
+    x = torch.randn(30, n, n)
+    triton_kernels._launch_forward(torch.empty_like(x), x, 20, config)
+    assert launches == [((8,), 1)]
+    assert caps == [168]
+
+
 @pytest.mark.parametrize("n,iters", [(8, 20), (4, 30), (2, 40)], ids=lambda v: str(v))
 def test_unrolled_scratch_variant_loops_over_tiles(device, n, iters):
     # n = 8, or more iterations than the registers keep: u_t of every iteration goes to a

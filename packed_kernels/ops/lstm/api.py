@@ -429,13 +429,12 @@ class PersistentLSTM(torch.nn.Module):
             # Read from the parameters at every call: an in-place change through .data
             # leaves no trace (no version bump) that a cache could check.
             w_ih, bias, w_hh, w_hh_t = layer_weights(directions, transposed)
-            # One product for every frame and both directions: columns d * 4H + gate * H + unit.
-            # Float16 and bfloat16 products already run on tensor cores in cuBLAS.
-            if runtime.INTERPRETED or layer_input.shape[1] < TENSOR_CORE_PROJECTION_MIN_K \
-                    or dtype != torch.float32:
-                xw = layer_input @ w_ih.T if bias is None else torch.addmm(bias, layer_input, w_ih.T)
-            else:
-                xw = input_projection_triton(layer_input, w_ih, bias)
+            # The previous layer's output is read by this projection only, and this layer's
+            # projected inputs by its recurrence only: each is dropped after its last use,
+            # so a layer holds no more than its own projected inputs and output.
+            xw = _input_projection(layer_input, w_ih, bias)
+            rows = layer_input.shape[0]
+            del layer_input
             states = slice(layer * D, (layer + 1) * D)
             if traced:
                 out, h_layer, c_layer = lstm_recurrence_op.custom_op(
@@ -444,11 +443,11 @@ class PersistentLSTM(torch.nn.Module):
                 h_layers.append(h_layer)
                 c_layers.append(c_layer)
             else:
-                alloc = torch.zeros if zero_fill else torch.empty
-                out = alloc((layer_input.shape[0], D * H), dtype=dtype, device=device)
+                out = _layer_output((rows, D * H), dtype, device, zero_fill)
                 lstm_recurrence_triton(xw, w_hh, h0[states], c0[states], row_start, lengths32, row_step, out,
                                        h_n[states], c_n[states], config, w_hh_t)
             layer_input = out
+            del xw, out
         if traced:
             h_n, c_n = torch.cat(h_layers), torch.cat(c_layers)
         if order is not None:
@@ -559,6 +558,21 @@ class PersistentLSTM(torch.nn.Module):
             validation.check_same_device(**{x_name: x, name: t})
             checked.append(t.unsqueeze(1) if unbatched else t)
         return tuple(checked)
+
+
+def _input_projection(x: Tensor, w_ih: Tensor, bias: Optional[Tensor]) -> Tensor:
+    """``x W_ih^T + bias`` for every frame of a layer, both directions in one product
+    (columns ``d 4H + gate H + unit``). Float32 products with wide inputs run on tensor
+    cores (:func:`input_projection_triton`); float16 and bfloat16 ones already do in cuBLAS."""
+    if runtime.INTERPRETED or x.shape[1] < TENSOR_CORE_PROJECTION_MIN_K or x.dtype != torch.float32:
+        return x @ w_ih.T if bias is None else torch.addmm(bias, x, w_ih.T)
+    return input_projection_triton(x, w_ih, bias)
+
+
+def _layer_output(shape, dtype: torch.dtype, device: torch.device, zero_fill: bool) -> Tensor:
+    """A layer's output rows, zeros with ``zero_fill`` (rows of padding frames that the
+    recurrence leaves unwritten)."""
+    return (torch.zeros if zero_fill else torch.empty)(shape, dtype=dtype, device=device)
 
 
 _INNER_FILES = (os.path.dirname(os.path.dirname(os.path.dirname(__file__))), os.path.dirname(torch.nn.__file__))

@@ -1451,6 +1451,8 @@ class LaunchConfig:
     num_warps: int
     #: most elements of a tensor one launch takes (beyond: slices of whole tokens)
     max_launch_elements: int = _MAX_LAUNCH_ELEMENTS
+    #: registers per thread the compiler may use (``None``: its own choice)
+    max_registers: Optional[int] = None
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -1477,8 +1479,6 @@ class UnrolledBackwardConfig(LaunchConfig):
     #: ``TOKEN_PER_THREAD``: the ``u_t`` of every iteration in a per-program scratch buffer
     #: (run-time loops) instead of registers (iterations unrolled at compile time)
     scratch: bool
-    #: registers per thread the compiler may use (``None``: its own choice)
-    max_registers: Optional[int]
     #: ``scratch`` on a GPU: programs per SM, each looping over tiles
     scratch_programs_per_sm: int
     #: ``TOKEN_PER_THREAD``: iterations between absorptions of the scaling vectors into the
@@ -1546,8 +1546,14 @@ def forward_config(n: int, dtype: torch.dtype, *, layout: Optional[Layout] = Non
     layout = _layout(n, layout, column_group_n=_COLUMN_GROUP_N)
     if layout is Layout.COLUMN_GROUP:
         block, num_warps = _column_group_shape(n)
+        max_registers = None
+        if _group_lanes(n) == 8 and dtype == torch.float32:
+            # About 186 registers a thread leave room for 10 warps an SM (8 in programs of
+            # four warps); capped at 168, a few values spill to cache and 12 one-warp
+            # programs fit.
+            block, num_warps, max_registers = 32 // _group_lanes(n), 1, 168
         return ForwardConfig(layout=layout, block=block, num_warps=num_warps, staggered=False, reciprocal_pairs=0,
-                             absorb_every=absorb_period(n))
+                             absorb_every=absorb_period(n), max_registers=max_registers)
     if layout is Layout.TILE:
         N = runtime.next_power_of_2(n)
         block = _tile_block(N, 2048)
@@ -1659,7 +1665,8 @@ def _launch_forward(out, logits, iters, config: ForwardConfig):
     if config.layout is Layout.COLUMN_GROUP:
         sinkhorn_forward_group_kernel[grid](logits, out, T, iters, n=n, LANES=_group_lanes(n), BLOCK=config.block,
                                             ABSORB=config.absorb_every, FAST=_fast(logits.dtype),
-                                            COMPUTE=_compute_dtype(logits.dtype), num_warps=config.num_warps)
+                                            COMPUTE=_compute_dtype(logits.dtype), num_warps=config.num_warps,
+                                            **runtime.register_cap(config.max_registers))
         return
     N = runtime.next_power_of_2(n)
     sinkhorn_forward_kernel[grid](logits, out, T, iters, n=n, N=N, BLOCK=config.block,
