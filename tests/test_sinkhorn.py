@@ -254,23 +254,30 @@ def test_launch_in_slices_launches_once_per_slice():
     assert torch.equal(out, x + g)
 
 
-def test_unrolled_backward_launch_takes_the_configured_register_cap(monkeypatch):
-    # The n = 4 float32 configuration caps registers; the cap must reach the launch
-    # (the kernel is stubbed: this checks what the launcher asks for, not the compiler).
-    config = triton_kernels.unrolled_backward_config(4, torch.float32, 20)
-    assert config.max_registers is not None and not config.scratch
+def _stub_launches(monkeypatch, kernel_name):
+    """``(caps, launches)``: the register caps the launchers ask :func:`runtime.register_cap`
+    for, and ``(grid, num_warps)`` of each launch of ``kernel_name``, which is stubbed (what
+    the launcher asks for, not what the compiler makes of it)."""
     caps, launches = [], []
     real_cap = runtime.register_cap
     monkeypatch.setattr(runtime, "register_cap", lambda cap: caps.append(cap) or real_cap(cap))
 
     class Kernel:
         def __getitem__(self, grid):
-            return lambda *args, **kwargs: launches.append(grid)
+            return lambda *args, **kwargs: launches.append((grid, kwargs["num_warps"]))
 
-    monkeypatch.setattr(triton_kernels, "sinkhorn_unrolled_backward_small_kernel", Kernel())
+    monkeypatch.setattr(triton_kernels, kernel_name, Kernel())
+    return caps, launches
+
+
+def test_unrolled_backward_launch_takes_the_configured_register_cap(monkeypatch):
+    # The n = 4 float32 configuration caps registers; the cap must reach the launch.
+    config = triton_kernels.unrolled_backward_config(4, torch.float32, 20)
+    assert config.max_registers is not None and not config.scratch
+    caps, launches = _stub_launches(monkeypatch, "sinkhorn_unrolled_backward_small_kernel")
     x = torch.randn(300, 4, 4)
     triton_kernels._launch_unrolled_backward(torch.empty_like(x), x, torch.randn_like(x), 20, config)
-    assert launches == [(runtime.cdiv(300, config.block),)]
+    assert launches == [((runtime.cdiv(300, config.block),), config.num_warps)]
     assert caps == [config.max_registers]
 
 
@@ -289,20 +296,12 @@ def test_unrolled_scratch_variant_at_n4_takes_programs_that_all_fit():
 def test_wide_column_group_forward_launches_one_warp_programs_under_a_register_cap(monkeypatch, n):
     # Spread over eight lanes a matrix needs about 186 registers a thread in float32;
     # the configuration caps them so that more programs fit an SM, and the cap must
-    # reach the launch (the kernel is stubbed: this checks what the launcher asks for).
+    # reach the launch.
     config = triton_kernels.forward_config(n, torch.float32)
     assert (config.block, config.num_warps, config.max_registers) == (4, 1, 168)
     assert triton_kernels.forward_config(n, torch.float64).max_registers is None
     assert triton_kernels.forward_config(16, torch.float32).max_registers is None
-    caps, launches = [], []
-    real_cap = runtime.register_cap
-    monkeypatch.setattr(runtime, "register_cap", lambda cap: caps.append(cap) or real_cap(cap))
-
-    class Kernel:
-        def __getitem__(self, grid):
-            return lambda *args, **kwargs: launches.append((grid, kwargs["num_warps"]))
-
-    monkeypatch.setattr(triton_kernels, "sinkhorn_forward_group_kernel", Kernel())
+    caps, launches = _stub_launches(monkeypatch, "sinkhorn_forward_group_kernel")
     x = torch.randn(30, n, n)
     triton_kernels._launch_forward(torch.empty_like(x), x, 20, config)
     assert launches == [((8,), 1)]
