@@ -433,7 +433,6 @@ class PersistentLSTM(torch.nn.Module):
             # projected inputs by its recurrence only: each is dropped after its last use,
             # so a layer holds no more than its own projected inputs and output.
             xw = _input_projection(layer_input, w_ih, bias)
-            rows = layer_input.shape[0]
             del layer_input
             states = slice(layer * D, (layer + 1) * D)
             if traced:
@@ -443,7 +442,7 @@ class PersistentLSTM(torch.nn.Module):
                 h_layers.append(h_layer)
                 c_layers.append(c_layer)
             else:
-                out = _layer_output((rows, D * H), dtype, device, zero_fill)
+                out = _layer_output((xw.shape[0], D * H), dtype, device, zero_fill)
                 lstm_recurrence_triton(xw, w_hh, h0[states], c0[states], row_start, lengths32, row_step, out,
                                        h_n[states], c_n[states], config, w_hh_t)
             layer_input = out
