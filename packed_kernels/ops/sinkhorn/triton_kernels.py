@@ -1545,13 +1545,13 @@ def forward_config(n: int, dtype: torch.dtype, *, layout: Optional[Layout] = Non
     """The forward's configuration for ``n x n`` matrices of ``dtype`` (``layout``: force one)."""
     layout = _layout(n, layout, column_group_n=_COLUMN_GROUP_N)
     if layout is Layout.COLUMN_GROUP:
-        block, num_warps = _column_group_shape(n)
-        max_registers = None
         if _group_lanes(n) == 8 and dtype == torch.float32:
             # About 186 registers a thread leave room for 10 warps an SM (8 in programs of
             # four warps); capped at 168, a few values spill to cache and 12 one-warp
-            # programs fit.
-            block, num_warps, max_registers = 32 // _group_lanes(n), 1, 168
+            # programs of 32 / 8 tokens fit.
+            block, num_warps, max_registers = 4, 1, 168
+        else:
+            (block, num_warps), max_registers = _column_group_shape(n), None
         return ForwardConfig(layout=layout, block=block, num_warps=num_warps, staggered=False, reciprocal_pairs=0,
                              absorb_every=absorb_period(n), max_registers=max_registers)
     if layout is Layout.TILE:
