@@ -132,7 +132,8 @@ class CachedLaunch:
     def _launch(self, grid, *args, **kwargs):
         if not self.compiles or callable(grid) or _launch_hooks_installed():
             return self.kernel[grid](*args, **kwargs)
-        device = _current_device()
+        driver = _triton_driver().active
+        device = driver.get_current_device()
         try:
             key = (device, tuple(kwargs.items()), *[_specialisation_of[type(a)](a) for a in args])
         except (KeyError, TypeError):  # an argument type or option value the key does not describe
@@ -149,32 +150,39 @@ class CachedLaunch:
             return compiled
         compiled, run, function, metadata, tail = entry
         grid = (*grid, 1, 1)
-        run(grid[0], grid[1], grid[2], _current_stream(device), function, metadata, None, None, None, *args, *tail)
+        run(grid[0], grid[1], grid[2], driver.get_current_stream(device), function, metadata, None, None, None,
+            *args, *tail)
         return compiled
 
 
-def _current_device() -> int:
+@functools.lru_cache(maxsize=None)
+def _triton_driver():
+    """Triton's driver configuration (``.active``: the driver launches go through),
+    imported once: an import statement costs every launch a module lookup."""
     from triton.runtime import driver
 
-    return driver.active.get_current_device()
+    return driver
 
 
-def _current_stream(device: int):
-    from triton.runtime import driver
+@functools.lru_cache(maxsize=None)
+def _runtime_knobs():
+    """``triton.knobs.runtime``, which holds the launch hooks; ``None`` on a Triton
+    release without ``knobs``."""
+    import triton
 
-    return driver.active.get_current_stream(device)
+    knobs = getattr(triton, "knobs", None)
+    return None if knobs is None else knobs.runtime
 
 
 def _launch_hooks_installed() -> bool:
     """Whether a Triton launch hook is set (Triton releases with ``triton.knobs`` keep
     them in chains, which are empty unless a hook was added)."""
-    import triton
-
-    knobs = getattr(triton, "knobs", None)
+    knobs = _runtime_knobs()
     if knobs is None:
         return True  # a release whose hooks live elsewhere: leave every launch to the JIT
-    return any(hook is not None and getattr(hook, "calls", True)
-               for hook in (knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook))
+    enter, leave = knobs.launch_enter_hook, knobs.launch_exit_hook
+    return bool((enter is not None and getattr(enter, "calls", True))
+                or (leave is not None and getattr(leave, "calls", True)))
 
 
 def _integer_specialisation(value: int):

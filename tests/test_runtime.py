@@ -3,6 +3,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import types
 
 import pytest
 
@@ -71,8 +72,14 @@ class FakeJIT:
 def fake_gpu(monkeypatch):
     from packed_kernels import runtime
 
-    monkeypatch.setattr(runtime, "_current_device", lambda: 0)
-    monkeypatch.setattr(runtime, "_current_stream", lambda device: 1234)
+    class Driver:  # Triton's active driver: device 0, stream 1234
+        def get_current_device(self):
+            return 0
+
+        def get_current_stream(self, device):
+            return 1234
+
+    monkeypatch.setattr(runtime, "_triton_driver", lambda: types.SimpleNamespace(active=Driver()))
     monkeypatch.setattr(runtime, "_launch_hooks_installed", lambda: False)
     jit = FakeJIT()
     kernel = runtime.CachedLaunch(jit)

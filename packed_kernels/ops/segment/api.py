@@ -295,8 +295,9 @@ def needs_counts(x: Tensor) -> bool:
 def segment_mean_op(x: Tensor, idx: Tensor, num_segments: int, with_counts: bool,
                     config: Optional[str]) -> tuple[Tensor, Tensor]:
     """``(mean, counts)``; ``counts`` (what the gradient needs) is empty unless ``with_counts``."""
-    return tk.segment_reduce_triton(x.contiguous(), None, idx, num_segments, tk.ROW_VALUE, tk.DIVIDE_BY_COUNT,
-                                    with_counts, config=_config(config))
+    mean, counts = tk.segment_reduce_triton(x.contiguous(), None, idx, num_segments, tk.ROW_VALUE,
+                                            tk.DIVIDE_BY_COUNT, with_counts, config=_config(config))
+    return mean, idx.new_empty((0,)) if counts is None else counts
 
 
 @segment_mean_op.register_fake

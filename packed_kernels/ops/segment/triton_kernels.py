@@ -133,11 +133,19 @@ def _zero_outer_segments(out_ptr, counts_ptr, idx_ptr, N, num_segments, cols, co
         _zero_rows(out_ptr, counts_ptr, fill, e < n_empty, cols, col_ok, n_cols, counts_block, WRITE_COUNTS)
 
 
+@triton.jit
+def _partial_rows(partials_ptr, n_parts, n_cols):
+    """The partial rows' three arrays in their one buffer: ``n_parts * n_cols`` values,
+    then ``n_parts`` segment ids and ``n_parts`` row counts (int32, right after the
+    values; one allocation where three would each cost the host a call)."""
+    segment_ptr = (partials_ptr + n_parts.to(tl.int64) * n_cols).to(tl.pointer_type(tl.int32), bitcast=True)
+    return partials_ptr, segment_ptr, segment_ptr + n_parts
+
+
 @runtime.CachedLaunch
 @triton.jit
 def segment_reduce_chunks_kernel(
-    x_ptr, y_ptr, idx_ptr, out_ptr, counts_ptr,
-    part_value_ptr, part_segment_ptr, part_count_ptr,
+    x_ptr, y_ptr, idx_ptr, out_ptr, counts_ptr, partials_ptr,
     N, D, K, n_cols, num_segments,
     PROLOGUE: tl.constexpr, EPILOGUE: tl.constexpr, WRITE_COUNTS: tl.constexpr, NEED_COUNTS: tl.constexpr,
     BLOCK_ROWS: tl.constexpr, BLOCK_COLS: tl.constexpr, ACC_DTYPE: tl.constexpr,
@@ -175,6 +183,8 @@ def segment_reduce_chunks_kernel(
     row0 = pid * BLOCK_ROWS
     if row0 >= N:
         return  # a program only for the empty segments at the ends
+    part_value_ptr, part_segment_ptr, part_count_ptr = _partial_rows(partials_ptr, 2 * tl.cdiv(N, BLOCK_ROWS),
+                                                                      n_cols)
     rows = row0 + tl.arange(0, BLOCK_ROWS)
     in_range = rows < N
     rows64 = rows.to(tl.int64)
@@ -280,8 +290,7 @@ def _lane_rows(x_ptr, base, N, COLS: tl.constexpr, ROWS_PER_THREAD: tl.constexpr
 @runtime.CachedLaunch
 @triton.jit
 def segment_sum_rows_kernel(
-    x_ptr, idx_ptr, out_ptr, counts_ptr,
-    part_value_ptr, part_segment_ptr, part_count_ptr,
+    x_ptr, idx_ptr, out_ptr, counts_ptr, partials_ptr,
     N, num_segments,
     EPILOGUE: tl.constexpr, WRITE_COUNTS: tl.constexpr, NEED_COUNTS: tl.constexpr,
     COLS: tl.constexpr, COLS_POW2: tl.constexpr, ROWS_PER_THREAD: tl.constexpr, BITS: tl.constexpr,
@@ -320,6 +329,7 @@ def segment_sum_rows_kernel(
     row0 = chunk * CHUNK
     if row0 >= N:
         return  # a program only for the empty segments at the ends
+    part_value_ptr, part_segment_ptr, part_count_ptr = _partial_rows(partials_ptr, 2 * tl.cdiv(N, CHUNK), COLS)
     lane = tl.arange(0, THREADS)
     base = row0 + lane * ROWS_PER_THREAD
     chunk_end = tl.minimum(row0 + CHUNK, N)
@@ -433,7 +443,7 @@ def segment_sum_rows_kernel(
 @runtime.CachedLaunch
 @triton.jit
 def segment_reduce_combine_kernel(
-    part_value_ptr, part_segment_ptr, part_count_ptr, out_ptr, counts_ptr,
+    partials_ptr, out_ptr, counts_ptr,
     n_parts, n_cols,
     EPILOGUE: tl.constexpr, WRITE_COUNTS: tl.constexpr,
     BLOCK_PARTS: tl.constexpr, BACK_PARTS: tl.constexpr, BLOCK_COLS: tl.constexpr, ACC_DTYPE: tl.constexpr,
@@ -451,6 +461,7 @@ def segment_reduce_combine_kernel(
     rows in chunks of 2048 rows has about 10,000 partials: ten steps of 1024). Sums
     run in a fixed order: deterministic.
     """
+    part_value_ptr, part_segment_ptr, part_count_ptr = _partial_rows(partials_ptr, n_parts, n_cols)
     block = tl.program_id(0)
     col_block = tl.program_id(1)
     first_part = block * BLOCK_PARTS
@@ -828,29 +839,33 @@ def _reduce_plan(N: int, D: int, K: int, num_segments: int, prologue: int, epilo
     # the first pass's programs: its chunks, and more (that only zero) where the empty
     # segments at the ends would give each chunk more than its share
     programs = max(n_chunks, runtime.cdiv(num_segments, config.empty_segments_per_program))
-    combine_parts = min(config.combine_parts, runtime.next_power_of_2(2 * n_chunks))
+    # the partial rows (two a chunk): their values, then int32 segment ids and row counts
+    parts = 2 * n_chunks
+    part_dtype = torch.float64 if dtype == torch.float64 else torch.float32
+    combine_parts = min(config.combine_parts, runtime.next_power_of_2(parts))
     combine = dict(
         EPILOGUE=epilogue, WRITE_COUNTS=write_counts,
         BLOCK_PARTS=combine_parts, BACK_PARTS=max(combine_parts, min(config.combine_back_parts, 4 * combine_parts)),
         BLOCK_COLS=block_cols, ACC_DTYPE=acc, num_warps=config.combine_warps)
     return dict(
-        n_chunks=n_chunks, in_order=in_order, rows_per_thread=rows_per_thread,
+        in_order=in_order, rows_per_thread=rows_per_thread,
         first_grid=(programs,) if in_order else (programs, col_blocks), first=first,
-        combine_grid=(runtime.cdiv(2 * n_chunks, combine_parts), col_blocks), combine=combine,
-        part_dtype=torch.float64 if dtype == torch.float64 else torch.float32)
+        combine_grid=(runtime.cdiv(parts, combine_parts), col_blocks), combine=combine, parts=parts,
+        part_dtype=part_dtype, partial_elements=parts * n_cols + parts * 8 // part_dtype.itemsize)
 
 
 @runtime.on_inputs_device
 def segment_reduce_triton(x: torch.Tensor, y, idx: torch.Tensor, num_segments: int, prologue: tl.constexpr,
                           epilogue: tl.constexpr, write_counts: bool, K: int = 1,
                           config: Optional[SegmentConfig] = None):
-    """Launch the two-pass segmented reduction; returns ``(out (S, C), counts (S,) int32)``.
+    """Launch the two-pass segmented reduction; returns ``(out (S, C), counts)``: ``counts``
+    the ``(S,)`` int32 row counts when ``write_counts``, else ``None``.
 
     ``prologue`` is one of the ``ROW_*`` modes and ``epilogue`` one of ``TOTAL``,
     ``DIVIDE_BY_COUNT``, ``SQRT_OF_MEAN``. ``x``: ``(N, D)``, or ``(N,)`` for ``D = 1``
     (``out`` is then ``(S,)``); ``y``: ``(N, D)`` (product, dot), ``(N, K)`` (outer) or
     ``None``. ``C`` is ``D`` (value, product), 1 (dot, squared norm) or ``D * K``
-    (outer). ``out`` has ``x``'s dtype; ``counts`` is filled only when ``write_counts``.
+    (outer). ``out`` has ``x``'s dtype.
     """
     config = segment_config() if config is None else config
     N, D = _rows_and_columns(x)
@@ -858,28 +873,27 @@ def segment_reduce_triton(x: torch.Tensor, y, idx: torch.Tensor, num_segments: i
     out_shape = (num_segments,) if x.dim() == 1 else (num_segments, n_cols)
     if N == 0 or num_segments == 0 or n_cols == 0:
         out = torch.zeros(out_shape, dtype=x.dtype, device=x.device)
-        return out, torch.zeros((num_segments if write_counts else 0,), dtype=torch.int32, device=x.device)
+        return out, torch.zeros((num_segments,), dtype=torch.int32, device=x.device) if write_counts else None
     plan = _reduce_plan(N, D, K, num_segments, prologue.value, epilogue.value, write_counts, x.dtype, config,
                         runtime.INTERPRETED)
     # The first pass zeroes the empty segments itself.
     out = _uninitialised(out_shape, x.dtype, x.device, config)
-    counts = _uninitialised((num_segments if write_counts else 0,), torch.int32, x.device, config)
-    parts = 2 * plan["n_chunks"]
-    part_value = torch.empty((parts, n_cols), dtype=plan["part_dtype"], device=x.device)
-    # Segment ids and row counts of the partials share one allocation (fewer host calls).
-    part_segment, part_count = torch.empty((2, parts), dtype=torch.int32, device=x.device).unbind(0)
+    partials = torch.empty((plan["partial_elements"],), dtype=plan["part_dtype"], device=x.device)
+    # (without counts to write, the kernels never touch the counts pointer)
+    counts = _uninitialised((num_segments,), torch.int32, x.device, config) if write_counts else None
+    counts_arg = partials if counts is None else counts
     if plan["in_order"]:
         rows_per_thread = plan["rows_per_thread"]
         segment_sum_rows_kernel[plan["first_grid"]](
-            x, idx, out, counts, part_value, part_segment, part_count, N, num_segments,
+            x, idx, out, counts_arg, partials, N, num_segments,
             VECTOR_IDX=_vector_loads(idx, rows_per_thread), VECTOR_X=_vector_loads(x, rows_per_thread),
             **plan["first"])
     else:
         segment_reduce_chunks_kernel[plan["first_grid"]](
-            x, x if y is None else y, idx, out, counts, part_value, part_segment, part_count,
-            N, D, K, n_cols, num_segments, **plan["first"])
+            x, x if y is None else y, idx, out, counts_arg, partials, N, D, K, n_cols, num_segments,
+            **plan["first"])
     segment_reduce_combine_kernel[plan["combine_grid"]](
-        part_value, part_segment, part_count, out, counts, parts, n_cols, **plan["combine"])
+        partials, out, counts_arg, plan["parts"], n_cols, **plan["combine"])
     return out, counts
 
 
