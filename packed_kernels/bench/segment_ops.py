@@ -18,7 +18,9 @@ Providers:
   runs inside ``torch.compile`` and CUDA graphs, where the host-reading checks are
   skipped);
 * ``triton_graph``: the same, replayed from a CUDA graph (GPU time without the host's
-  per-call overhead; ``forward`` and ``fwd+bwd``);
+  per-call overhead; ``forward`` and ``fwd+bwd``). The gradients of ``fwd+bwd`` come from
+  ``torch.autograd.grad`` for every provider, so none accumulates into ``.grad``, eager
+  or replayed;
 * ``triton_checked``: the public function in eager mode, checks included (one host
   synchronisation to validate ``idx``);
 * ``index_add``: PyTorch composed from ``index_add`` / ``index_select`` (scatter with
@@ -179,15 +181,16 @@ def _provider(op: str, provider: str, order: str, n_rows: int, mean_length: int,
         grad_out = torch.randn_like(probe)
         del probe
         if order == "fwd+bwd":
+            # the gradients as autograd.grad returns them: no .grad accumulates, eager or replayed
             def step():
-                fn(*inputs, idx, num_segments).backward(grad_out)
+                torch.autograd.grad(fn(*inputs, idx, num_segments), inputs, grad_out)
             if provider == "triton_graph":
-                step()  # the gradients exist before the capture: it accumulates into them
+                step()
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph):
                     step()
-                return graph.replay, inputs
-            return step, inputs
+                return graph.replay
+            return step
         grad_out.requires_grad_()
         cotangents = [torch.randn_like(t) for t in inputs]
 
@@ -195,7 +198,7 @@ def _provider(op: str, provider: str, order: str, n_rows: int, mean_length: int,
             out = fn(*inputs, idx, num_segments)
             firsts = torch.autograd.grad(out, inputs, grad_out, create_graph=True)
             torch.autograd.grad(firsts, inputs + [grad_out], cotangents, allow_unused=True)
-        return step2, None
+        return step2
 
     return factory
 
