@@ -168,3 +168,15 @@ def test_launch_hooks_installed_sees_a_hook_added_to_tritons_chain():
         assert runtime._launch_hooks_installed()
     finally:
         chain.remove(hook)
+
+
+@pytest.mark.parametrize("which", ["launch_enter_hook", "launch_exit_hook"])
+def test_launch_hooks_installed_sees_a_function_set_in_place_of_either_chain(monkeypatch, which):
+    triton = pytest.importorskip("triton")
+    from packed_kernels import runtime
+
+    if not hasattr(triton, "knobs"):
+        pytest.skip("a Triton release without knobs: every launch goes through the JIT")
+    assert not runtime._launch_hooks_installed()
+    monkeypatch.setattr(triton.knobs.runtime, which, lambda metadata: None)
+    assert runtime._launch_hooks_installed()
