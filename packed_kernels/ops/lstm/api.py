@@ -71,8 +71,7 @@ def lstm_recurrence_op(xw: Tensor, w_hh: Tensor, w_hh_t: Tensor, h0: Tensor, c0:
     ``FOUR_GATES`` product; ``out`` is zero beyond each length when ``zero_fill``). No
     gradient."""
     num_directions, _, hidden = w_hh.shape
-    alloc = torch.zeros if zero_fill else torch.empty
-    out = alloc((xw.shape[0], num_directions * hidden), dtype=xw.dtype, device=xw.device)
+    out = _layer_output((xw.shape[0], num_directions * hidden), xw.dtype, xw.device, zero_fill)
     h_n, c_n = torch.empty_like(h0), torch.empty_like(c0)
     lstm_recurrence_triton(xw, w_hh, h0, c0, row_start, lengths, row_step, out, h_n, c_n,
                            _config_from_ints(config), w_hh_t)
