@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 from . import runtime  # must come first: it decides compile vs interpret for @triton.jit
 from . import packing as _packing
 from .packing import *  # noqa: F401,F403  (Packed, pack, unpack, offsets and segment ids)
+from .validation import check_errors, set_strict_checks, strict_checks
 
 __version__ = "0.1.0"
 
@@ -39,7 +40,7 @@ if TYPE_CHECKING:  # what the lazy names below resolve to, for type checkers and
     from .ops.segment import *  # noqa: F401,F403  (the six segmented_* functions)
     from .ops.sinkhorn import sinkhorn, sinkhorn_backward
 
-__all__ = [*_packing.__all__, *_LAZY_NAMES]
+__all__ = [*_packing.__all__, "check_errors", "set_strict_checks", "strict_checks", *_LAZY_NAMES]
 
 
 def __getattr__(name):

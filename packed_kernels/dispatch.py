@@ -6,9 +6,9 @@ registered autograd formula, *and* the same implementation and formula as a plai
 ``torch.autograd.Function``. A call takes one of the two:
 
 * **eager** (the common case): the ``autograd.Function``, which costs the host less per
-  call than the dispatcher's path through a custom op; with gradients off (inference,
-  ``torch.no_grad``, and a backward that builds no graph) the implementation itself,
-  since there is nothing to record;
+  call than the dispatcher's path through a custom op; where there is nothing to record
+  (gradients off, as in inference and a backward that builds no graph, or no input
+  that requires a gradient) the implementation itself;
 * **under a** ``torch.func`` **transform** (``grad``, ``vjp``, ``jacrev``, ...): the same
   function in the form those transforms need (a separate ``setup_context``).
   ``torch.func.vmap`` is refused with a clear error: the kernels take whole packed
@@ -118,11 +118,13 @@ class Operator:
             return self.functional.apply(*args)
         if is_traced(*args):
             return self.custom_op(*args)
-        if not torch.is_grad_enabled():
-            # nothing for autograd to record: the implementation alone, without the
-            # Function's bookkeeping (a backward that builds no graph calls its operators so)
-            return self.impl(*args)
-        return self.eager.apply(*args)
+        if torch.is_grad_enabled():
+            for a in args:
+                if isinstance(a, Tensor) and a.requires_grad:
+                    return self.eager.apply(*args)
+        # nothing for autograd to record: the implementation alone, without the Function's
+        # bookkeeping (inference, index tensors, a backward that builds no graph)
+        return self.impl(*args)
 
     def within(self, ctx) -> Callable:
         """The operator as a backward formula calls it: inside an eager backward, the eager

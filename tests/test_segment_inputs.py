@@ -188,17 +188,24 @@ def _index_rows(op):
         ("idx-2D", _call(op, idx=lambda a, d: a["idx"][:, None]), ValueError, "idx", "must be 1-D; got shape (5, 1)"),
         ("idx-short", _call(op, idx=lambda a, d: a["idx"][:4]), ValueError, "idx",
          f"must have one entry per row of {r} (5); got 4 entries"),
+        # values checked on the device: the message names the function first
         ("idx-negative", _call(op, idx=lambda a, d: a["idx"] - 1), ValueError, "idx",
-         "must be >= 0; got a minimum of -1"),
-        ("idx64-negative", _call(op, idx=lambda a, d: a["idx"].long() - 1), ValueError, "idx", "must be >= 0"),
+         f"segmented_{op}: idx must lie in [0, num_segments), which fails at row 0"),
+        ("idx64-negative", _call(op, idx=lambda a, d: a["idx"].long() - 1), ValueError, "idx",
+         f"segmented_{op}: idx must lie in [0, num_segments), which fails at row 0"),
+        ("idx-negative-last", _call(op, idx=lambda a, d: torch.tensor([0, 0, 1, 1, -1], device=d)), ValueError,
+         "idx", f"segmented_{op}: idx must lie in [0, num_segments), which fails at row 4"),
         ("idx-too-large", _call(op, idx=lambda a, d: a["idx"] + 1), ValueError, "idx",
-         "must be < num_segments (2); got a maximum of 2"),
+         f"segmented_{op}: idx must lie in [0, num_segments), which fails at row 2"),
         # wrong if unchecked: 2**32 + 1 is 1 in int32, sorted and in range
         ("idx64-beyond-int32", _call(op, idx=lambda a, d: torch.tensor([0, 0, 1, 1, 2 ** 32 + 1], device=d)),
-         ValueError, "idx", "must be < num_segments (2); got a maximum of 4294967297"),
+         ValueError, "idx", f"segmented_{op}: idx must lie in [0, num_segments), which fails at row 4"),
         ("idx-unsorted", _call(op, idx=lambda a, d: a["idx"].flip(0)), ValueError, "idx",
-         "must be sorted in non-decreasing order; 1 entries are smaller than the one before"),
-        ("idx64-unsorted", _call(op, idx=lambda a, d: a["idx"].long().flip(0)), ValueError, "idx", "must be sorted"),
+         f"segmented_{op}: idx must be sorted in non-decreasing order, which fails at row 3"),
+        ("idx64-unsorted", _call(op, idx=lambda a, d: a["idx"].long().flip(0)), ValueError, "idx",
+         f"segmented_{op}: idx must be sorted in non-decreasing order, which fails at row 3"),
+        ("idx-unsorted-in-range", _call(op, idx=lambda a, d: torch.tensor([0, 1, 0, 1, 1], device=d)), ValueError,
+         "idx", f"segmented_{op}: idx must be sorted in non-decreasing order, which fails at row 2"),
         ("idx-other-device", _call(op, idx=lambda a, d: a["idx"].to(other)), ValueError, "idx",
          f"must be on {r}'s device"),
         ("idx-vmapped", _vmapped(op, "idx"), NotImplementedError, "idx", "is batched by torch.func.vmap"),
@@ -288,12 +295,20 @@ def test_each_table_covers_every_argument_of_its_operation():
         assert len(names) == len(set(names)), op
 
 
+@pytest.mark.parametrize("strict", [False, True], ids=["default", "strict"])
 @pytest.mark.parametrize("op, call, error, argument, words", [
     pytest.param(op, *row[1:], id=f"{op}-{row[0]}") for op, rows in BAD_INPUTS.items() for row in rows])
-def test_bad_input(op, call, error, argument, words, device):
-    with pytest.raises(error, match=re.escape(words)) as raised:
-        call(good_arguments(op, device), device)
-    assert str(raised.value).startswith(f"{argument} "), str(raised.value)
+def test_bad_input(op, call, error, argument, words, device, strict):
+    """Each bad input raises its error: in strict mode (and for CPU tensors) within the
+    call, otherwise no later than ``check_errors``; and nothing is left to report after."""
+    arguments = good_arguments(op, device)
+    with pytest.raises(error, match=re.escape(words)) as raised, pk.strict_checks(strict):
+        call(arguments, device)
+        if not strict:
+            pk.check_errors()
+    message = str(raised.value)
+    assert message.startswith(f"{argument} ") or message.startswith(f"segmented_{op}: {argument} "), message
+    pk.check_errors()
 
 
 @pytest.mark.parametrize("op", list(FUNCTIONS))
@@ -305,55 +320,74 @@ def test_good_arguments_give_the_reference(op, device):
                  numpy_forward(op, tensors, arguments["idx"], 2), atol=1e-6, rtol=1e-6)
 
 
-# --- the idx check on the kernels' GPU: one kernel, one transfer --------------------------------
+# --- the idx check on the device: one kernel, which reports and clamps --------------------------
 
-def _facts(values):
-    """``[idx[0], idx[-1], descents]`` of a Python list."""
-    return [values[0], values[-1], sum(b < a for a, b in zip(values, values[1:]))]
+def _violations(values, num_segments):
+    """Where a list of segment ids breaks each rule: ``(out of range, descents)``."""
+    outside = {i for i, v in enumerate(values) if not 0 <= v < num_segments}
+    descents = {i for i in range(1, len(values)) if values[i] < values[i - 1]}
+    return outside, descents
 
 
 @pytest.mark.parametrize("dtype", [torch.int32, torch.int64], ids=["int32", "int64"])
-def test_idx_check_kernel_reads_the_ends_and_counts_the_descents(dtype, device):
-    """``idx_facts_triton`` (the check the GPU runs) against the facts counted in Python:
-    sorted and unsorted, negative, beyond int32 (int64), one entry, and descents at the
-    first and last entries and on both sides of a block edge (blocks of 4096 entries,
-    several programs)."""
+def test_idx_check_kernel_reports_a_true_violation_and_clamps(dtype, device):
+    """``idx_check_triton`` (what every call on the kernels' device runs) against the rules
+    counted in Python: the int32 copy is ``idx`` clamped to ``[0, S)``, and what it reports
+    is a real violation (its code and row), or nothing for a good ``idx``. Sorted and
+    unsorted, negative, beyond int32 (int64), one entry, and descents at the first and last
+    entries and on both sides of a block edge (blocks of 4096 entries, several programs)."""
+    from packed_kernels import validation
+
+    S = 3000
+    in_range, in_order = validation.value_check("test", "idx", "in range"), validation.value_check(
+        "test", "idx", "sorted")
     g = torch.Generator().manual_seed(17)
-    sorted_long = torch.sort(torch.randint(0, 3000, (9001,), generator=g)).values.tolist()
-    cases = [[0], [5], [-3], [0, 0, 1, 1, 2], [2, 1, 0], [-4, -4, 0, 7], [1, 0, 0, 3], [0, 1, 2, 1],
+    sorted_long = torch.sort(torch.randint(0, S, (9001,), generator=g)).values.tolist()
+    cases = [[0], [5], [-3], [S], [0, 0, 1, 1, 2], [2, 1, 0], [-4, -4, 0, 7], [1, 0, 0, 3], [0, 1, 2, 1],
              sorted_long]
     for position in (1, 4095, 4096, 4097, 8192, 9000):
         spoiled = list(sorted_long)
         spoiled[position] = spoiled[position - 1] - 1
         cases.append(spoiled)
+    spoiled = list(sorted_long)
+    spoiled[6000] = S + 5  # out of range and a descent after it: one block, the range wins
+    cases.append(spoiled)
     if dtype == torch.int64:
         cases += [[0, 2 ** 32 + 1], [-2 ** 63, 0, 2 ** 63 - 1], [2 ** 40, 1]]
     else:
         cases += [[-2 ** 31, 2 ** 31 - 1], [2 ** 31 - 1, -2 ** 31]]
+    pk.check_errors()
     for values in cases:
         idx = torch.tensor(values, dtype=dtype, device=device)
-        assert tk.idx_facts_triton(idx) == _facts(values), values[:8]
+        out = tk.idx_check_triton(idx, S, in_range.code, in_order.code)
+        assert out.dtype == torch.int32 and out.tolist() == [min(max(v, 0), S - 1) for v in values], values[:8]
+        outside, descents = _violations(values, S)
+        try:
+            pk.check_errors()
+        except ValueError as error:
+            message = str(error)
+            row = int(message.rsplit(" ", 1)[1])
+            if message.startswith("test: idx in range"):
+                assert row in outside, (values[:8], message)
+            else:
+                assert message.startswith("test: idx sorted") and row in descents, (values[:8], message)
+                assert not outside or min(outside) // 4096 != row // 4096, (values[:8], message)
+        else:
+            assert not outside and not descents, values[:8]
 
 
 @pytest.mark.parametrize("op, call, error, argument, words", [
     pytest.param(op, *row[1:], id=f"{op}-{row[0]}") for op, rows in BAD_INPUTS.items() for row in rows
     if row[3] == "idx" and op in ("sum", "mul")])
-def test_bad_idx_through_the_check_kernel(op, call, error, argument, words, device, monkeypatch):
-    """The bad ``idx`` rows again, with the check of compiled code (one kernel, the ends and
-    the descents read back) instead of PyTorch's CPU ops: the same errors."""
+def test_bad_idx_of_the_padded_stage(op, call, error, argument, words, device, monkeypatch):
+    """The bad ``idx`` rows again, for tensors the kernels do not take (checked on the host,
+    then computed by the padded stage): the same errors, at once."""
     from packed_kernels import runtime
 
-    checked = []
-    kernel_check = tk.idx_facts_triton
-
-    def facts(idx):
-        checked.append(idx.shape[0])
-        return kernel_check(idx)
-
-    monkeypatch.setattr(runtime, "INTERPRETED", False)
-    monkeypatch.setattr(tk, "idx_facts_triton", facts)
+    monkeypatch.setattr(runtime, "on_kernel_device", lambda tensor: tensor.device.type == "meta")
+    if device != "cpu":
+        pytest.skip("the padded stage takes CPU tensors")
     with pytest.raises(error, match=re.escape(words)) as raised:
         call(good_arguments(op, device), device)
-    assert str(raised.value).startswith(f"{argument} "), str(raised.value)
-    if any(w in words for w in ("minimum", "maximum", "sorted")):
-        assert checked, "the check kernel did not run"
+    message = str(raised.value)
+    assert message.startswith(f"{argument} ") or message.startswith(f"segmented_{op}: {argument} "), message

@@ -66,7 +66,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from ... import runtime
+from ... import runtime, validation
 from ...dispatch import is_traced, operator
 from ...validation import (
     check_float_tensor,
@@ -125,19 +125,47 @@ def _check_not_batched(**tensors) -> None:
             value = functorch.get_unwrapped(value)
 
 
-def _check_idx(idx, n_rows: int, num_segments: int, rows_name: str) -> Tensor:
+def _idx_checks(function: str) -> tuple:
+    """The two value checks of ``function``'s ``idx``: in range, and sorted."""
+    return (validation.value_check(function, "idx", "must lie in [0, num_segments)"),
+            validation.value_check(function, "idx", "must be sorted in non-decreasing order"))
+
+
+@operator("segment_check_idx")
+def segment_check_idx_op(idx: Tensor, num_segments: int, range_code: int, order_code: int) -> Tensor:
+    """The int32 ``idx`` the kernels read, clamped to ``[0, num_segments)``, with its
+    values checked on the device (:func:`~.triton_kernels.idx_check_triton`)."""
+    if idx.shape[0] == 0:
+        return idx.new_empty((0,), dtype=torch.int32)
+    return tk.idx_check_triton(idx.contiguous(), num_segments, range_code, order_code)
+
+
+@segment_check_idx_op.register_fake
+def _(idx, num_segments, range_code, order_code):
+    return idx.new_empty(idx.shape, dtype=torch.int32)
+
+
+def _check_idx_on_host(idx: Tensor, num_segments: int, function: str) -> None:
+    """The value checks of a CPU ``idx`` that the padded stage computes (no kernel runs)."""
+    in_range, in_order = _idx_checks(function)
+    outside = ((idx < 0) | (idx >= num_segments)).nonzero()
+    if outside.numel():
+        raise in_range.error(int(outside[0, 0]))
+    descents = (idx[1:] < idx[:-1]).nonzero()
+    if descents.numel():
+        raise in_order.error(int(descents[0, 0]) + 1)
+
+
+def _check_idx(idx, n_rows: int, num_segments: int, rows_name: str, function: str) -> Tensor:
     """``idx``: int32 or int64, 1-D, one entry per row, sorted, each in ``[0, num_segments)``.
 
-    Returns ``idx`` as the int32 tensor the kernels read: an int64 ``idx`` is converted
-    once, after its values were checked (a value beyond int32 would wrap). The value
-    checks read ``idx`` on the host (one synchronisation); they are skipped while
-    ``torch.compile`` traces or a CUDA graph is captured, for ``meta`` tensors and under
-    ``FakeTensorMode``. There ``idx`` is clamped to ``[0, num_segments)`` instead (before
-    the conversion), so that no value can make a kernel read or write out of bounds: a
-    sorted ``idx`` stays sorted and gives the result of the clamped one; an unsorted one
-    gives ``mul`` and ``matvec`` their exact result and the reductions an unspecified one.
-    Rows with no segment to belong to (``num_segments = 0``) are refused from the shapes
-    alone, traced or not.
+    Its dtype and shape are checked here, at once; its values on the device, by
+    :func:`segment_check_idx_op`, which returns the int32 copy the kernels read, clamped
+    to ``[0, num_segments)`` so that no value can make a kernel read or write out of
+    bounds. A violation is reported as :mod:`~packed_kernels.validation` says (at once for
+    CPU tensors and in strict mode; otherwise by a later call), also for traced calls.
+    Tensors the kernels do not take are checked on the host (they are CPU tensors). Rows
+    with no segment to belong to (``num_segments = 0``) are refused from the shapes alone.
     """
     check_index_tensor("idx", idx)
     check_rank("idx", idx, 1)
@@ -152,58 +180,24 @@ def _check_idx(idx, n_rows: int, num_segments: int, rows_name: str) -> Tensor:
                              f"got {num_segments}")
     if n_rows > 0 and num_segments == 0:
         raise ValueError(f"idx must be < num_segments (0), which no row can meet; got {n_rows} rows")
-    if is_traced(idx):
-        return idx.clamp(0, max(num_segments - 1, 0)).to(torch.int32).contiguous()
-    idx = idx.contiguous()
-    if n_rows > 0:
-        first, last, unsorted = _idx_facts(idx)
-        low, high = first, last
-        if unsorted:
-            # (the error path: the extremes of an unsorted idx, for the messages below)
-            low, high = torch.aminmax(idx)
-            low, high = low.item(), high.item()
-        if low < 0:
-            raise ValueError(f"idx must be >= 0; got a minimum of {low}")
-        if high >= num_segments:
-            raise ValueError(f"idx must be < num_segments ({num_segments}); got a maximum of {high}")
-        if unsorted:
-            raise ValueError(f"idx must be sorted in non-decreasing order; {unsorted} entries are smaller "
-                             "than the one before")
-    return idx if idx.dtype == torch.int32 else idx.to(torch.int32)
+    if not runtime.on_kernel_device(idx):
+        _check_idx_on_host(idx, num_segments, function)
+        return idx.to(torch.int32)
+    in_range, in_order = _idx_checks(function)
+    checked = segment_check_idx_op(idx, num_segments, in_range.code, in_order.code)
+    if not is_traced(idx):
+        validation.values_checked(idx.device)
+    return checked
 
 
-def _idx_facts(idx: Tensor) -> list:
-    """``[idx[0], idx[-1], number of i with idx[i] < idx[i - 1]]`` on the host, for a
-    non-empty contiguous ``idx``: a sorted ``idx`` is in range when its ends are. On the
-    kernels' GPU one read of ``idx`` by one kernel and one transfer
-    (:func:`~.triton_kernels.idx_facts_triton`); elsewhere (CPU tensors, read where they
-    are) PyTorch's own ops."""
-    if runtime.on_kernel_device(idx) and not runtime.INTERPRETED:
-        return _idx_facts_by_kernel(idx)
-    unsorted = int((idx[1:] < idx[:-1]).sum()) if idx.shape[0] > 1 else 0
-    return [int(idx[0]), int(idx[-1]), unsorted]
-
-
-def _idx_facts_by_kernel(idx: Tensor) -> list:
-    """:func:`~.triton_kernels.idx_facts_triton` of ``idx``, also under a ``torch.func``
-    transform, where a kernel can read neither a wrapped ``idx`` nor a tensor made
-    inside the transform (both are wrappers without storage): it gets the plain tensor,
-    and makes its output with the transforms switched off."""
-    functorch = torch._C._functorch
-    while functorch.is_functorch_wrapped_tensor(idx):
-        idx = functorch.get_unwrapped(idx)
-    with torch._C._DisableFuncTorch():
-        return tk.idx_facts_triton(idx)
-
-
-def _check_segments(idx, num_segments: int, rows_name: str, **tensors) -> Tensor:
+def _check_segments(idx, num_segments: int, rows_name: str, function: str, **tensors) -> Tensor:
     """The checks every operation shares once its tensors' own are done: every argument on
-    one device, none batched by ``vmap``, and ``idx`` (returned as int32) indexing the rows
-    of ``tensors[rows_name]``."""
+    one device, none batched by ``vmap``, and ``idx`` (returned as the checked int32 copy)
+    indexing the rows of ``tensors[rows_name]``."""
     check_tensor("idx", idx)
     check_same_device(**tensors, idx=idx)
     _check_not_batched(**tensors, idx=idx)
-    return _check_idx(idx, tensors[rows_name].shape[0], num_segments, rows_name)
+    return _check_idx(idx, tensors[rows_name].shape[0], num_segments, rows_name, function)
 
 
 def _promoted(x: Tensor, y: Tensor) -> tuple[Tensor, Tensor]:
@@ -599,9 +593,10 @@ def _run(operation: str, *tensors, idx: Tensor, num_segments: int) -> Tensor:
 
 def _one_input(operation: str, x, idx, num_segments) -> Tensor:
     """``sum``, ``mean`` and ``rms_norm``: their checks, then :func:`_run`."""
+    validation.raise_reported()
     num_segments = _check_num_segments(num_segments)
     _check_rows("x", x, (1, 2))
-    idx = _check_segments(idx, num_segments, "x", x=x)
+    idx = _check_segments(idx, num_segments, "x", f"segmented_{operation}", x=x)
     return _run(operation, x, idx=idx, num_segments=num_segments)
 
 
@@ -673,12 +668,13 @@ def segmented_dot(x: Tensor, y: Tensor, idx: Tensor, num_segments: int) -> Tenso
         >>> pk.segmented_dot(x, x, pk.segment_ids_from_lengths([2, 1]), 2)
         tensor([30., 61.])
     """
+    validation.raise_reported()
     num_segments = _check_num_segments(num_segments)
     _check_rows("x", x, (1, 2))
     _check_rows("y", y, (1, 2))
     if y.shape != x.shape:
         raise ValueError(f"y must have the shape of x {tuple(x.shape)}; got {tuple(y.shape)}")
-    idx = _check_segments(idx, num_segments, "x", x=x, y=y)
+    idx = _check_segments(idx, num_segments, "x", "segmented_dot", x=x, y=y)
     return _run("dot", *_promoted(x, y), idx=idx, num_segments=num_segments)
 
 
@@ -706,6 +702,7 @@ def segmented_mul(x: Tensor, y: Tensor, idx: Tensor, num_segments: int) -> Tenso
                 [-1., -1.],
                 [-1., -1.]])
     """
+    validation.raise_reported()
     num_segments = _check_num_segments(num_segments)
     _check_rows("x", x, (1, 2))
     _check_rows("y", y, (1, 2))
@@ -714,7 +711,7 @@ def segmented_mul(x: Tensor, y: Tensor, idx: Tensor, num_segments: int) -> Tenso
     if y.shape[1:] != x.shape[1:] and y.dim() != 1:
         raise ValueError(f"y must have shape {(num_segments,) + tuple(x.shape[1:])} or ({num_segments},); "
                          f"got {tuple(y.shape)}")
-    idx = _check_segments(idx, num_segments, "x", x=x, y=y)
+    idx = _check_segments(idx, num_segments, "x", "segmented_mul", x=x, y=y)
     return _run("mul", *_promoted(x, y), idx=idx, num_segments=num_segments)
 
 
@@ -769,6 +766,7 @@ def segmented_matvec(v: Tensor, m: Tensor, idx: Tensor, num_segments: int) -> Te
         tensor([[1., 2.],
                 [2., 1.]])
     """
+    validation.raise_reported()
     num_segments = _check_num_segments(num_segments)
     _check_rows("v", v, (2,))
     _check_rows("m", m, (3,))
@@ -777,5 +775,5 @@ def segmented_matvec(v: Tensor, m: Tensor, idx: Tensor, num_segments: int) -> Te
     if m.shape[1] != v.shape[1]:
         raise ValueError(f"m must have shape ({num_segments}, {v.shape[1]}, K) to match v's {v.shape[1]} "
                          f"columns; got {tuple(m.shape)}")
-    idx = _check_segments(idx, num_segments, "v", v=v, m=m)
+    idx = _check_segments(idx, num_segments, "v", "segmented_matvec", v=v, m=m)
     return _run("matvec", *_promoted(v, m), idx=idx, num_segments=num_segments)

@@ -41,6 +41,7 @@ import triton.language as tl
 from ... import runtime
 from ...device_functions.fast_math import reciprocal as _reciprocal
 from ...device_functions.register_columns import load_lane_rows
+from ...validation import error_word, report_violation
 
 # The modes of the kernels, compared by name inside them; the launchers take these
 # objects and pass their ``.value``.
@@ -641,16 +642,15 @@ def rms_norm_double_backward_kernel(
 
 @runtime.CachedLaunch
 @triton.jit
-def idx_check_kernel(idx_ptr, facts_ptr, N, BLOCK: tl.constexpr):
-    """What the eager check of ``idx`` needs, in one read of ``idx``: ``facts[0] = idx[0]``,
-    ``facts[1] = idx[N - 1]`` and ``facts[2] = #{i : idx[i] < idx[i - 1]}`` (``facts`` int64,
-    zeroed before the launch).
+def idx_check_kernel(idx_ptr, out_ptr, word_ptr, N, num_segments, range_code, order_code, BLOCK: tl.constexpr):
+    """Check ``idx`` on the device and write the int32 copy the other kernels read.
 
-    A sorted ``idx`` (no descents) is in ``[0, num_segments)`` exactly when its first
-    entry is ``>= 0`` and its last ``< num_segments``, so nothing else is read back. A
-    block adds its descents with an integer atomic only when it has some: the count does
-    not depend on the order of the additions (deterministic), and a valid ``idx`` makes
-    no atomic at all.
+    ``out[i] = min(max(idx[i], 0), num_segments - 1)``: whatever the values, every kernel
+    that indexes with ``out`` stays inside its tensors (a sorted ``out`` gives the result
+    of the clamped ``idx``, an unsorted one an unspecified but memory-safe one). Where
+    ``idx[i]`` lies outside ``[0, num_segments)`` the block reports ``range_code``, where
+    ``idx[i] < idx[i - 1]`` ``order_code``, each at its smallest such ``i``
+    (:func:`~packed_kernels.validation.report_violation`). One read of ``idx``, no atomics.
     """
     pid = tl.program_id(0)
     rows = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
@@ -658,12 +658,11 @@ def idx_check_kernel(idx_ptr, facts_ptr, N, BLOCK: tl.constexpr):
     has_previous = ok & (rows > 0)
     value = tl.load(idx_ptr + rows, mask=ok, other=0)
     previous = tl.load(idx_ptr + rows - 1, mask=has_previous, other=0)
-    descents = tl.sum((has_previous & (value < previous)).to(tl.int64), axis=0)
-    if descents > 0:
-        tl.atomic_add(facts_ptr + 2, descents)
-    if pid == 0:
-        tl.store(facts_ptr, tl.load(idx_ptr).to(tl.int64))
-        tl.store(facts_ptr + 1, tl.load(idx_ptr + N - 1).to(tl.int64))
+    # (a program's later report overwrites its earlier one: a range violation wins)
+    report_violation(word_ptr, order_code, has_previous & (value < previous), rows)
+    report_violation(word_ptr, range_code, ok & ((value < 0) | (value >= num_segments)), rows)
+    clamped = tl.minimum(tl.maximum(value, 0), num_segments - 1)
+    tl.store(out_ptr + rows, clamped.to(tl.int32), mask=ok)
 
 
 # ---------------------------------------------------------------------------------------
@@ -960,15 +959,16 @@ def rms_norm_double_backward_triton(p, g, r, counts):
 
 
 @runtime.on_inputs_device
-def idx_facts_triton(idx: torch.Tensor) -> list:
-    """``[idx[0], idx[-1], number of i with idx[i] < idx[i - 1]]`` of a non-empty 1-D
-    contiguous int32 or int64 ``idx``, read back to the host in one transfer
-    (:func:`idx_check_kernel`)."""
+def idx_check_triton(idx: torch.Tensor, num_segments: int, range_code: int, order_code: int) -> torch.Tensor:
+    """The checked int32 copy of a non-empty 1-D contiguous int32 or int64 ``idx``
+    (:func:`idx_check_kernel`; ``num_segments >= 1``); violations go to the error word of
+    ``idx``'s device."""
     N = idx.shape[0]
-    facts = torch.zeros((3,), dtype=torch.int64, device=idx.device)
+    out = torch.empty((N,), dtype=torch.int32, device=idx.device)
     block = min(4096, max(16, runtime.next_power_of_2(N)))
-    idx_check_kernel[(runtime.cdiv(N, block),)](idx, facts, N, BLOCK=block, num_warps=_warps_for(block))
-    return facts.tolist()
+    idx_check_kernel[(runtime.cdiv(N, block),)](idx, out, error_word(idx.device), N, num_segments, range_code,
+                                                 order_code, BLOCK=block, num_warps=_warps_for(block))
+    return out
 
 
 __all__ = [
@@ -978,5 +978,5 @@ __all__ = [
     "segment_rowwise_triton",
     "segment_matvec_triton",
     "rms_norm_double_backward_triton",
-    "idx_facts_triton",
+    "idx_check_triton",
 ]
