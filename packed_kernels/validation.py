@@ -46,6 +46,7 @@ __all__ = [
     "check_errors",
     "error_word",
     "raise_reported",
+    "report_flags",
     "report_violation",
     "set_strict_checks",
     "strict_checks",
@@ -295,3 +296,24 @@ def report_violation(word_ptr, code, bad, position):
     if where <= limit:
         # (code may be a constexpr: the JIT specialises an integer argument equal to 1)
         tl.store(word_ptr, ((tl.zeros((), tl.int64) + code) << _POSITION_BITS_IN_KERNELS) | where)
+
+
+@triton.jit
+def _report_flags_kernel(flags_ptr, n, word_ptr, code, BLOCK: tl.constexpr):
+    positions = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    bad = tl.load(flags_ptr + positions, mask=positions < n, other=0) != 0
+    report_violation(word_ptr, code, bad, positions)
+
+
+def report_flags(check: ValueCheck, flags: torch.Tensor) -> None:
+    """Report ``check`` at the first position where the 1-D ``flags`` (bool or integer, on
+    the device, computed by PyTorch ops) are set; nothing if none is. For checks whose
+    values PyTorch ops already hold; one small launch, no host read."""
+    n = flags.numel()
+    if n == 0:
+        return
+    flags = flags.reshape(n)
+    if flags.dtype == torch.bool:
+        flags = flags.view(torch.uint8)
+    block = min(1024, triton.next_power_of_2(n))
+    _report_flags_kernel[(triton.cdiv(n, block),)](flags, n, error_word(flags.device), check.code, BLOCK=block)

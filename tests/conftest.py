@@ -26,6 +26,17 @@ def _exact_float32_matmul():
     torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = old
 
 
+@pytest.fixture(autouse=True)
+def _no_violation_left_behind():
+    # A value violation that a test's calls reported and the test did not expect fails
+    # that test here, instead of surfacing in whichever test calls the package next.
+    from packed_kernels import validation
+
+    validation.check_errors()
+    yield
+    validation.check_errors()
+
+
 def pytest_report_header(config):
     import triton
 
