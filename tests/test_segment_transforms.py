@@ -2,6 +2,7 @@
 ``torch.func``, ``meta`` tensors and ``FakeTensorMode``, ``torch.library.opcheck`` on every
 custom op, autocast, and CPU tensors on a machine whose kernels are compiled for a GPU."""
 import contextlib
+import re
 
 import pytest
 import torch
@@ -139,9 +140,10 @@ def test_compile_fullgraph_forward_and_backward_match_eager(op, idx_dtype, devic
 
 
 def test_calls_without_gradients_skip_the_autograd_function(device, monkeypatch):
-    """With gradients off (``no_grad``, and a backward that builds no graph) an operator
-    runs its implementation alone; with them on (``create_graph=True``), its
-    ``autograd.Function``. Same results either way."""
+    """With gradients off (``no_grad``, and a backward that builds no graph), or no input
+    that requires a gradient, an operator runs its implementation alone; with gradients on
+    and an input that requires one (``create_graph=True`` and a cotangent that requires a
+    gradient), its ``autograd.Function``. Same results either way."""
     inputs, idx, S = case_inputs("sum", device)
     x = inputs[0].requires_grad_()
     want = padded_torch.segmented_sum_padded(x.detach(), idx, S)
@@ -158,8 +160,10 @@ def test_calls_without_gradients_skip_the_autograd_function(device, monkeypatch)
     grad_out = torch.randn_like(out)
     (grad,) = torch.autograd.grad(out, x, grad_out)  # the backward's gather: no graph, no Function
     assert_close("d/dx", grad, grad_out[idx], atol=0, rtol=0)
+    (grad,) = torch.autograd.grad(pk.segmented_sum(x, idx, S), x, grad_out, create_graph=True)
+    assert_close("d/dx, a cotangent without a gradient", grad, grad_out[idx], atol=0, rtol=0)
     with pytest.raises(AssertionError, match="autograd.Function applied"):
-        torch.autograd.grad(pk.segmented_sum(x, idx, S), x, grad_out, create_graph=True)
+        torch.autograd.grad(pk.segmented_sum(x, idx, S), x, grad_out.requires_grad_(), create_graph=True)
 
 
 def test_mean_backward_counts_the_rows_when_the_forward_did_not(device):
@@ -207,23 +211,24 @@ def test_torch_func_grad_first_and_second_order(op, device):
         assert_close(f"{op} torch.func {order} derivative #{k % len(inputs)}", a, b, atol=1e-11, rtol=1e-10)
 
 
-def test_idx_check_kernel_reads_plain_tensors_under_torch_func(device):
-    """The GPU path of the eager idx check is one kernel and its small output: under
-    ``torch.func.grad`` (and ``grad`` of ``grad``) a tensor made inside the transform,
-    and an ``idx`` computed there, are wrappers without storage that no kernel can read."""
+def test_idx_check_reads_plain_tensors_under_torch_func(device):
+    """The check of ``idx`` is a kernel too: under ``torch.func.grad`` (and ``grad`` of
+    ``grad``) an ``idx`` made inside the transform is a wrapper without storage, which it
+    must still read; a good one reports nothing, a bad one its violation."""
     idx = make_idx([2, 0, 3, 1], device)
-    want = [int(idx[0]), int(idx[-1]), 0]
-    seen = []
+    x = torch.randn(idx.shape[0], dtype=torch.float64, device=device)
 
-    def loss(x):
-        inner = idx + torch.zeros_like(idx)  # made inside the transform: a wrapper
-        seen.append(api._idx_facts_by_kernel(idx))
-        seen.append(api._idx_facts_by_kernel(inner))
-        return x.square().sum()
+    def loss(x, shift=0):
+        inner = idx + torch.zeros_like(idx) + shift  # made inside the transform: a wrapper
+        return pk.segmented_sum(x, inner, 4).square().sum() + pk.segmented_sum(x, idx, 4).square().sum()
 
-    torch.func.grad(loss)(torch.randn(3, dtype=torch.float64, device=device))
-    torch.func.grad(lambda x: torch.func.grad(loss)(x).sum())(torch.randn(3, dtype=torch.float64, device=device))
-    assert seen == [want] * 4
+    want = 4 * padded_torch.segmented_sum_padded(x, idx, 4)[idx]
+    assert_close("grad", torch.func.grad(loss)(x), want, atol=1e-12, rtol=1e-12)
+    assert_close("grad of grad", torch.func.grad(lambda t: torch.func.grad(loss)(t).sum())(x), 4 * torch.tensor(
+        [2.0, 2.0, 3.0, 3.0, 3.0, 1.0], dtype=torch.float64, device=device), atol=1e-12, rtol=1e-12)
+    with pytest.raises(ValueError, match=re.escape("segmented_sum: idx must lie in [0, num_segments)")):
+        torch.func.grad(lambda t: loss(t, shift=1))(x)
+        pk.check_errors()
 
 
 def test_torch_func_vjp(device):
@@ -317,13 +322,15 @@ def _opcheck_cases(device):
         "matvec": (api.segment_matvec_op, (rand(6, 3), rand(S, 3, 2), idx, False, None)),
         "matvec-transposed": (api.segment_matvec_op, (rand(6, 2), rand(S, 3, 2), idx, True, None)),
         "outer": (api.segment_outer_op, (rand(6, 3), rand(6, 2), idx, S, None)),
+        # not differentiable: the checked int32 idx (the codes are those of segmented_sum)
+        "check_idx": (api.segment_check_idx_op, (idx.long(), S, *(c.code for c in api._idx_checks("segmented_sum")))),
     }
 
 
 OPCHECK_CASES = ["sum", "gather", "mean-with-counts", "mean-without-counts", "gather_over_count", "sum-1d",
                  "gather-1d", "mean-1d", "gather_over_count-1d", "dot-rowwise",
                  "dot-columns", "scale_rows", "scale_rows-broadcast", "rms", "rms_backward", "rms_double_backward",
-                 "matvec", "matvec-transposed", "outer"]
+                 "matvec", "matvec-transposed", "outer", "check_idx"]
 
 
 def test_opcheck_covers_every_segment_custom_op(device):
@@ -331,7 +338,7 @@ def test_opcheck_covers_every_segment_custom_op(device):
     assert list(cases) == OPCHECK_CASES
     checked = {op.qualified_name for op, _ in cases.values()}
     registered = {op.qualified_name for op in vars(api).values() if isinstance(op, Operator)}
-    assert checked == registered and len(registered) == 11
+    assert checked == registered and len(registered) == 12
 
 
 @pytest.mark.parametrize("case", OPCHECK_CASES)

@@ -21,9 +21,13 @@ Where they run:
   not batched tensors, and a clear error says so.
 * ``meta`` tensors and ``FakeTensorMode`` infer the output shapes and dtypes without
   running a kernel.
-* While ``torch.compile`` traces or a CUDA graph is captured, ``idx`` is not read on the
-  host: instead of its value checks it is clamped to ``[0, num_segments)``, so that no
-  value can make a kernel read or write out of bounds.
+* ``idx``'s values are checked on the device, never read by the host: one kernel
+  (:func:`~.triton_kernels.idx_check_triton`) reports a value out of range or out of
+  order as :mod:`packed_kernels.validation` says (within the call for CPU tensors and in
+  strict mode, otherwise by a later call or :func:`packed_kernels.check_errors`), and
+  writes the int32 ``idx`` the other kernels read, clamped to ``[0, num_segments)``, so
+  that no value can make a kernel read or write out of bounds. Traced and captured calls
+  run the same check.
 * Tensors the kernels do not take (CPU tensors on a machine whose kernels are compiled
   for a GPU) are computed by the padded PyTorch stage (:mod:`.padded_torch`), with the
   same results, dtypes and gradients of both orders (through autograd).

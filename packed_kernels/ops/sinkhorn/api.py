@@ -232,6 +232,7 @@ def sinkhorn(logits: torch.Tensor, iters: int = 20, *, backward: str = "implicit
         tensor([[ 0.0746, -0.0746],
                 [-0.0746,  0.0746]])
     """
+    validation.raise_reported()
     n = _check_matrices("logits", logits)
     iters = _check_iters(iters)
     validation.check_choice("backward", backward, _BACKWARDS)
@@ -287,6 +288,7 @@ def sinkhorn_backward(R: torch.Tensor, grad_R: torch.Tensor, cg_iters: Optional[
         tensor([[ 0.0746, -0.0746],
                 [-0.0746,  0.0746]])
     """
+    validation.raise_reported()
     n = _check_matrices("R", R)
     validation.check_tensor("grad_R", grad_R)
     if grad_R.shape != R.shape:
