@@ -46,3 +46,30 @@ def test_describe_run_names_every_date_of_merged_rows():
     assert "on 2026-12-01 and 2026-12-02 with torch 2.11" in text
     assert "4.24 to 4.25 TB/s" in text
     assert "on 2026-12-01 with" in describe_run(rows.iloc[1:])
+
+
+def test_the_potential_step_gives_the_index_add_gradients(monkeypatch):
+    """The model-shaped potential step (energies, forces with ``create_graph``, a loss on
+    both, weight gradients) through the package equals its ``index_add`` version."""
+    import torch
+
+    from packed_kernels.bench import models
+
+    monkeypatch.setattr(models, "DEVICE", "cpu")
+    got = [g.clone() for g in models.potential_step("triton", 5, hidden=8)[0]()]
+    want = models.potential_step("index_add", 5, hidden=8)[0]()
+    assert len(got) == len(want) == 6
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+
+
+def test_every_model_workload_has_eager_and_replayed_providers():
+    from packed_kernels.bench import models
+
+    cases = list(models.cases())
+    assert {c.workload for c in cases} == {"potential", "mhc", "ctc_head"}
+    for case in cases:
+        names = set(case.providers)
+        assert {n.rsplit("_", 1)[0] for n in names if n.endswith("_eager")} == {
+            n.rsplit("_", 1)[0] for n in names if n.endswith("_graph")}, case.workload
+        assert any(n.endswith("_compiled") for n in names), case.workload

@@ -16,7 +16,7 @@ import os
 import sys
 from typing import Optional
 
-CHAPTERS = ("ctc", "sinkhorn", "segment_ops", "lstm")
+CHAPTERS = ("ctc", "sinkhorn", "segment_ops", "lstm", "models")
 
 #: the folder the book reads, relative to the repository root
 BOOK_RESULTS = os.path.join("book", "results")
