@@ -28,7 +28,7 @@ import torch
 from torch import Tensor
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
-__all__ = ["NAMESPACE", "Operator", "is_traced", "operator"]
+__all__ = ["EAGER", "FUNCTIONAL", "NAMESPACE", "TRACED", "Operator", "call_mode", "is_traced", "operator"]
 
 #: The ``torch.library`` namespace of every custom op of the package.
 NAMESPACE = "packed_kernels"
@@ -54,6 +54,19 @@ def is_traced(*args) -> bool:
             return True
     # a capture needs CUDA initialised; asking that is cheaper than torch.cuda.is_available()
     return torch.cuda.is_initialized() and torch.cuda.is_current_stream_capturing()
+
+
+#: The three ways a call runs an :class:`Operator` (see the module docstring).
+EAGER, FUNCTIONAL, TRACED = "eager", "functional", "traced"
+
+
+def call_mode(*args) -> str:
+    """:data:`FUNCTIONAL` under a ``torch.func`` transform, :data:`TRACED` where
+    :func:`is_traced` holds, else :data:`EAGER`: the one decision a public function
+    makes, then hands to every operator it calls (:meth:`Operator.run`)."""
+    if torch._C._are_functorch_transforms_active():
+        return FUNCTIONAL
+    return TRACED if is_traced(*args) else EAGER
 
 
 class Operator:
@@ -114,9 +127,13 @@ class Operator:
         self._build_eager(setup_context, backward)
 
     def __call__(self, *args):
-        if torch._C._are_functorch_transforms_active():
+        return self.run(call_mode(*args), *args)
+
+    def run(self, mode: str, *args):
+        """The operator as ``mode`` (from :func:`call_mode`) runs it."""
+        if mode is FUNCTIONAL:
             return self.functional.apply(*args)
-        if is_traced(*args):
+        if mode is TRACED:
             return self.custom_op(*args)
         if torch.is_grad_enabled():
             for a in args:

@@ -71,7 +71,7 @@ import torch
 from torch import Tensor
 
 from ... import runtime, validation
-from ...dispatch import is_traced, operator
+from ...dispatch import TRACED, call_mode, operator
 from ...validation import (
     check_float_tensor,
     check_index_tensor,
@@ -129,6 +129,7 @@ def _check_not_batched(**tensors) -> None:
             value = functorch.get_unwrapped(value)
 
 
+@functools.lru_cache(maxsize=None)
 def _idx_checks(function: str) -> tuple:
     """The two value checks of ``function``'s ``idx``: in range, and sorted."""
     return (validation.value_check(function, "idx", "must lie in [0, num_segments)"),
@@ -160,7 +161,7 @@ def _check_idx_on_host(idx: Tensor, num_segments: int, function: str) -> None:
         raise in_order.error(int(descents[0, 0]) + 1)
 
 
-def _check_idx(idx, n_rows: int, num_segments: int, rows_name: str, function: str) -> Tensor:
+def _check_idx(idx, n_rows: int, num_segments: int, rows_name: str, function: str, mode: str) -> Tensor:
     """``idx``: int32 or int64, 1-D, one entry per row, sorted, each in ``[0, num_segments)``.
 
     Its dtype and shape are checked here, at once; its values on the device, by
@@ -188,20 +189,23 @@ def _check_idx(idx, n_rows: int, num_segments: int, rows_name: str, function: st
         _check_idx_on_host(idx, num_segments, function)
         return idx.to(torch.int32)
     in_range, in_order = _idx_checks(function)
-    checked = segment_check_idx_op(idx, num_segments, in_range.code, in_order.code)
-    if not is_traced(idx):
+    checked = segment_check_idx_op.run(mode, idx, num_segments, in_range.code, in_order.code)
+    if mode is not TRACED:
         validation.values_checked(idx.device)
     return checked
 
 
-def _check_segments(idx, num_segments: int, rows_name: str, function: str, **tensors) -> Tensor:
+def _check_segments(idx, num_segments: int, rows_name: str, function: str, **tensors) -> tuple[Tensor, str]:
     """The checks every operation shares once its tensors' own are done: every argument on
-    one device, none batched by ``vmap``, and ``idx`` (returned as the checked int32 copy)
-    indexing the rows of ``tensors[rows_name]``."""
+    one device, none batched by ``vmap``, and ``idx`` indexing the rows of
+    ``tensors[rows_name]``. Returns the checked int32 ``idx`` and the call's mode
+    (:func:`~packed_kernels.dispatch.call_mode`), decided here once for the whole call."""
     check_tensor("idx", idx)
     check_same_device(**tensors, idx=idx)
-    _check_not_batched(**tensors, idx=idx)
-    return _check_idx(idx, tensors[rows_name].shape[0], num_segments, rows_name, function)
+    mode = call_mode(*tensors.values(), idx)
+    if mode is not TRACED:
+        _check_not_batched(**tensors, idx=idx)
+    return _check_idx(idx, tensors[rows_name].shape[0], num_segments, rows_name, function, mode), mode
 
 
 def _promoted(x: Tensor, y: Tensor) -> tuple[Tensor, Tensor]:
@@ -535,34 +539,43 @@ def _index(idx: Tensor) -> Tensor:
     return idx.contiguous()
 
 
-def _sum(x, idx, num_segments, config=None):
-    return segment_sum_op(x, _index(idx), num_segments, config_text(config))
+def _run_operator(op, mode, *args):
+    """``op`` in the call's ``mode``, or deciding its own (``None``: the unchecked calls)."""
+    return op(*args) if mode is None else op.run(mode, *args)
 
 
-def _mean(x, idx, num_segments, config=None):
-    return segment_mean_op(x, _index(idx), num_segments, needs_counts(x), config_text(config))[0]
+def _sum(x, idx, num_segments, config=None, mode=None):
+    return _run_operator(segment_sum_op, mode, x, _index(idx), num_segments, config_text(config))
 
 
-def _dot(x, y, idx, num_segments, config=None):
-    out = segment_dot_op(_as_rows(x), _as_rows(y), _index(idx), num_segments, True, config_text(config))
+def _mean(x, idx, num_segments, config=None, mode=None):
+    return _run_operator(segment_mean_op, mode, x, _index(idx), num_segments, needs_counts(x),
+                         config_text(config))[0]
+
+
+def _dot(x, y, idx, num_segments, config=None, mode=None):
+    out = _run_operator(segment_dot_op, mode, _as_rows(x), _as_rows(y), _index(idx), num_segments, True,
+                        config_text(config))
     return out.reshape(num_segments)
 
 
-def _mul(x, y, idx, num_segments, config=None):
-    return segment_scale_rows_op(_as_rows(x), _as_rows(y), _index(idx), config_text(config)).reshape(x.shape)
+def _mul(x, y, idx, num_segments, config=None, mode=None):
+    return _run_operator(segment_scale_rows_op, mode, _as_rows(x), _as_rows(y), _index(idx),
+                         config_text(config)).reshape(x.shape)
 
 
-def _rms_norm(x, idx, num_segments, config=None):
-    r, _ = segment_rms_op(_as_rows(x), _index(idx), num_segments, config_text(config))
+def _rms_norm(x, idx, num_segments, config=None, mode=None):
+    r, _ = _run_operator(segment_rms_op, mode, _as_rows(x), _index(idx), num_segments, config_text(config))
     return r.reshape(num_segments)
 
 
-def _matvec(v, m, idx, num_segments, config=None):
-    return segment_matvec_op(v, m, _index(idx), False, config_text(config))
+def _matvec(v, m, idx, num_segments, config=None, mode=None):
+    return _run_operator(segment_matvec_op, mode, v, m, _index(idx), False, config_text(config))
 
 
 #: The six operations without the argument checks, by name; each also takes ``config``
-#: (a :class:`~.triton_kernels.SegmentConfig`, ``None``: the default).
+#: (a :class:`~.triton_kernels.SegmentConfig`, ``None``: the default) and ``mode``
+#: (:func:`~packed_kernels.dispatch.call_mode`; ``None``: each operator decides).
 UNCHECKED = {"sum": _sum, "mean": _mean, "dot": _dot, "mul": _mul, "rms_norm": _rms_norm, "matvec": _matvec}
 
 
@@ -587,11 +600,11 @@ _PADDED_STAGES = {
 }
 
 
-def _run(operation: str, *tensors, idx: Tensor, num_segments: int) -> Tensor:
-    """The checked ``operation`` on the kernels, or on the padded stage for tensors the
-    kernels do not take."""
+def _run(operation: str, *tensors, idx: Tensor, num_segments: int, mode: str) -> Tensor:
+    """The checked ``operation`` on the kernels, in the call's ``mode``, or on the padded
+    stage for tensors the kernels do not take."""
     if runtime.on_kernel_device(tensors[0]):
-        return UNCHECKED[operation](*tensors, idx, num_segments)
+        return UNCHECKED[operation](*tensors, idx, num_segments, None, mode)
     return _padded_stage(_PADDED_STAGES[operation], *tensors, idx=idx, num_segments=num_segments)
 
 
@@ -600,8 +613,8 @@ def _one_input(operation: str, x, idx, num_segments) -> Tensor:
     validation.raise_reported()
     num_segments = _check_num_segments(num_segments)
     _check_rows("x", x, (1, 2))
-    idx = _check_segments(idx, num_segments, "x", f"segmented_{operation}", x=x)
-    return _run(operation, x, idx=idx, num_segments=num_segments)
+    idx, mode = _check_segments(idx, num_segments, "x", f"segmented_{operation}", x=x)
+    return _run(operation, x, idx=idx, num_segments=num_segments, mode=mode)
 
 
 def segmented_sum(x: Tensor, idx: Tensor, num_segments: int) -> Tensor:
@@ -678,8 +691,8 @@ def segmented_dot(x: Tensor, y: Tensor, idx: Tensor, num_segments: int) -> Tenso
     _check_rows("y", y, (1, 2))
     if y.shape != x.shape:
         raise ValueError(f"y must have the shape of x {tuple(x.shape)}; got {tuple(y.shape)}")
-    idx = _check_segments(idx, num_segments, "x", "segmented_dot", x=x, y=y)
-    return _run("dot", *_promoted(x, y), idx=idx, num_segments=num_segments)
+    idx, mode = _check_segments(idx, num_segments, "x", "segmented_dot", x=x, y=y)
+    return _run("dot", *_promoted(x, y), idx=idx, num_segments=num_segments, mode=mode)
 
 
 def segmented_mul(x: Tensor, y: Tensor, idx: Tensor, num_segments: int) -> Tensor:
@@ -715,8 +728,8 @@ def segmented_mul(x: Tensor, y: Tensor, idx: Tensor, num_segments: int) -> Tenso
     if y.shape[1:] != x.shape[1:] and y.dim() != 1:
         raise ValueError(f"y must have shape {(num_segments,) + tuple(x.shape[1:])} or ({num_segments},); "
                          f"got {tuple(y.shape)}")
-    idx = _check_segments(idx, num_segments, "x", "segmented_mul", x=x, y=y)
-    return _run("mul", *_promoted(x, y), idx=idx, num_segments=num_segments)
+    idx, mode = _check_segments(idx, num_segments, "x", "segmented_mul", x=x, y=y)
+    return _run("mul", *_promoted(x, y), idx=idx, num_segments=num_segments, mode=mode)
 
 
 def segmented_rms_norm(x: Tensor, idx: Tensor, num_segments: int) -> Tensor:
@@ -779,5 +792,5 @@ def segmented_matvec(v: Tensor, m: Tensor, idx: Tensor, num_segments: int) -> Te
     if m.shape[1] != v.shape[1]:
         raise ValueError(f"m must have shape ({num_segments}, {v.shape[1]}, K) to match v's {v.shape[1]} "
                          f"columns; got {tuple(m.shape)}")
-    idx = _check_segments(idx, num_segments, "v", "segmented_matvec", v=v, m=m)
-    return _run("matvec", *_promoted(v, m), idx=idx, num_segments=num_segments)
+    idx, mode = _check_segments(idx, num_segments, "v", "segmented_matvec", v=v, m=m)
+    return _run("matvec", *_promoted(v, m), idx=idx, num_segments=num_segments, mode=mode)
