@@ -180,7 +180,14 @@ def sinkhorn(logits: torch.Tensor, iters: int = 20, *, backward: str = "implicit
         backward: ``"implicit"``: gradient of the converged projection (implicit
             function theorem; see :func:`sinkhorn_backward`), or ``"unrolled"``: the
             exact gradient of the ``iters``-step map, by reverse mode with the
-            forward recomputed on chip.
+            forward recomputed on chip. Choose ``"implicit"`` when ``R`` stands for the
+            doubly stochastic limit (the iterations have converged: rows and columns
+            both sum to 1 to rounding), where it is exact and costs one solve whatever
+            ``iters`` is; choose ``"unrolled"`` to reproduce autograd through your own
+            ``iters``-step loop, which differs from the implicit gradient while the
+            iterations are far from converged (few iterations, peaked logits). The
+            chapter "Sinkhorn normalisation and its two exact backwards" of the
+            packed-kernels book (``book/sinkhorn.ipynb``) plots where the two differ.
         cg_iters: implicit backward only. ``None`` (default): direct solve of the
             gauge-fixed system per matrix (elimination without cancellation; see
             :func:`sinkhorn_backward`). An int from 1 to ``2n``: that many
