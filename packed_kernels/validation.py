@@ -34,10 +34,11 @@ import operator
 import os
 from typing import Dict, Iterable, List, Optional, Sequence, Tuple, Union
 
-import numpy as np
 import torch
 import triton
 import triton.language as tl
+
+from . import runtime
 
 
 __all__ = [
@@ -298,6 +299,7 @@ def report_violation(word_ptr, code, bad, position):
         tl.store(word_ptr, ((tl.zeros((), tl.int64) + code) << _POSITION_BITS_IN_KERNELS) | where)
 
 
+@runtime.CachedLaunch
 @triton.jit
 def _report_flags_kernel(flags_ptr, n, word_ptr, code, BLOCK: tl.constexpr):
     positions = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
@@ -315,5 +317,5 @@ def report_flags(check: ValueCheck, flags: torch.Tensor) -> None:
     flags = flags.reshape(n)
     if flags.dtype == torch.bool:
         flags = flags.view(torch.uint8)
-    block = min(1024, triton.next_power_of_2(n))
-    _report_flags_kernel[(triton.cdiv(n, block),)](flags, n, error_word(flags.device), check.code, BLOCK=block)
+    block = min(1024, runtime.next_power_of_2(n))
+    _report_flags_kernel[(runtime.cdiv(n, block),)](flags, n, error_word(flags.device), check.code, BLOCK=block)
