@@ -2,6 +2,12 @@
 of a good call and names the exception, the argument its message must name and words the
 message must contain.
 
+Shapes, dtypes, devices and options are refused on the host, within the call. The values
+of ``cu_seqlens``, ``target_lengths`` and ``targets`` are checked on the device, by the
+forward's label sort: their messages start with the function's name, and each such row
+runs in strict mode (raised within the call) and in the default mode (raised no later
+than ``pk.check_errors()``).
+
 Rows marked *silent if unchecked* are values that would give a result without an error if
 they reached the kernels: the kernels clamp every index they read (see
 ``test_trusted_values.py``), and an int64 value beyond int32 wraps there.
@@ -72,18 +78,28 @@ BAD_INPUTS = {
                       "must be 1-D (B + 1,)"),
     "cu_seqlens-empty": (_set("cu_seqlens", lambda a, d: a["cu_seqlens"][:0]), ValueError, "cu_seqlens",
                          "must have B + 1 >= 1 entries"),
-    "cu_seqlens-not-from-0": (_set("cu_seqlens", _tensor([1, 4, 7])), ValueError, "cu_seqlens", "start at 0"),
+    # values checked on the device: the message names the function first
+    "cu_seqlens-not-from-0": (_set("cu_seqlens", _tensor([1, 4, 7])), ValueError, "cu_seqlens",
+                              "packed_ctc_loss: cu_seqlens must start at 0, which fails at entry 0"),
     # silent if unchecked: the kernels clamp a negative start to 0
-    "cu_seqlens-negative-start": (_set("cu_seqlens", _tensor([-1, 4, 7])), ValueError, "cu_seqlens", "start at 0"),
-    "cu_seqlens-decreasing": (_set("cu_seqlens", _tensor([0, 5, 3], torch.int32)), ValueError, "cu_seqlens",
-                              "non-decreasing; got 1 decreasing step(s)"),
+    "cu_seqlens-negative-start": (_set("cu_seqlens", _tensor([-1, 4, 7])), ValueError, "cu_seqlens",
+                                  "packed_ctc_loss: cu_seqlens must start at 0, which fails at entry 0"),
+    # (the last step, and the only violation: cu_seqlens[1] = 8 is beyond T_total, which
+    # only the end is checked against)
+    "cu_seqlens-decreasing": (_set("cu_seqlens", _tensor([0, 8, 7], torch.int32)), ValueError, "cu_seqlens",
+                              "packed_ctc_loss: cu_seqlens must be non-decreasing, which fails at entry 2"),
+    "cu_seqlens-decreasing-first-step": (_set("cu_seqlens", _tensor([0, -2, 7])), ValueError, "cu_seqlens",
+                                         "packed_ctc_loss: cu_seqlens must be non-decreasing, which fails at entry 1"),
     "cu_seqlens-short-of-T_total": (_set("cu_seqlens", _tensor([0, 4, 6], torch.int32)), ValueError, "cu_seqlens",
-                                    "end at T_total = log_probs.shape[0] = 7"),
+                                    "packed_ctc_loss: cu_seqlens must end at T_total = log_probs.shape[0], "
+                                    "which fails at entry 2"),
     # silent if unchecked: the kernels clamp each end to T_total
-    "cu_seqlens-beyond-T_total": (_set("cu_seqlens", _tensor([0, 4, 9])), ValueError, "cu_seqlens", "end at T_total"),
+    "cu_seqlens-beyond-T_total": (_set("cu_seqlens", _tensor([0, 4, 9])), ValueError, "cu_seqlens",
+                                  "packed_ctc_loss: cu_seqlens must end at T_total"),
     # silent if unchecked: 2**32 + 7 is 7 in int32
     "cu_seqlens-int64-wraps-to-T_total": (_set("cu_seqlens", _tensor([0, 4, 2 ** 32 + 7])), ValueError, "cu_seqlens",
-                                          "got cu_seqlens[-1] = 4294967303"),
+                                          "packed_ctc_loss: cu_seqlens must end at T_total = log_probs.shape[0], "
+                                          "which fails at entry 2"),
     "cu_seqlens-other-device": (_set("cu_seqlens", lambda a, d: a["cu_seqlens"].to(_other_device(d))), ValueError,
                                 "cu_seqlens", "must be on log_probs's device"),
     # targets
@@ -100,11 +116,17 @@ BAD_INPUTS = {
     "cu_seqlens-one-utterance-more": (_set("cu_seqlens", _tensor([0, 4, 7, 7])), ValueError, "targets",
                                       "must have shape (B=3, U)"),
     "targets-negative-id": (_set("targets", _first_target(-1)), ValueError, "targets",
-                            "must lie in [0, C=5) within each target length; got 1 id(s)"),
-    "targets-id-too-large": (_set("targets", _first_target(5)), ValueError, "targets", "must lie in [0, C=5)"),
+                            "packed_ctc_loss: targets must lie in [0, C) within each target length, "
+                            "which fails at utterance 0"),
+    "targets-id-too-large": (_set("targets", _first_target(5)), ValueError, "targets",
+                             "packed_ctc_loss: targets must lie in [0, C) within each target length, "
+                             "which fails at utterance 0"),
+    "targets-id-too-large-in-last-utterance": (_set("targets", _tensor([[1, 2, -9], [5, 9, 9]])), ValueError,
+                                               "targets", "packed_ctc_loss: targets must lie in [0, C) within "
+                                               "each target length, which fails at utterance 1"),
     # silent if unchecked: 2**32 + 1 is 1 in int32
     "targets-int64-wraps-to-a-class": (_set("targets", _first_target(2 ** 32 + 1)), ValueError, "targets",
-                                       "must lie in [0, C=5)"),
+                                       "packed_ctc_loss: targets must lie in [0, C)"),
     "targets-other-device": (_set("targets", lambda a, d: a["targets"].to(_other_device(d))), ValueError, "targets",
                              "must be on log_probs's device"),
     # target_lengths
@@ -120,11 +142,13 @@ BAD_INPUTS = {
                                    "target_lengths", "must have shape (B=2,) to match cu_seqlens"),
     # silent if unchecked: the kernels clamp lengths to [0, U]
     "target_lengths-negative": (_set("target_lengths", _tensor([2, -1])), ValueError, "target_lengths",
-                                "must be >= 0; got a length of -1"),
+                                "packed_ctc_loss: target_lengths must lie in [0, U = targets.shape[1]], "
+                                "which fails at utterance 1"),
     "target_lengths-too-long": (_set("target_lengths", _tensor([4, 1])), ValueError, "target_lengths",
-                                "must be <= U = targets.shape[1] = 3; got a length of 4"),
+                                "packed_ctc_loss: target_lengths must lie in [0, U = targets.shape[1]], "
+                                "which fails at utterance 0"),
     "target_lengths-int64-wraps-to-1": (_set("target_lengths", _tensor([2, 2 ** 32 + 1])), ValueError,
-                                        "target_lengths", "must be <= U"),
+                                        "target_lengths", "packed_ctc_loss: target_lengths must lie in [0, U"),
     "target_lengths-other-device": (_set("target_lengths", lambda a, d: a["target_lengths"].to(_other_device(d))),
                                     ValueError, "target_lengths", "must be on log_probs's device"),
     # the options
@@ -143,12 +167,64 @@ BAD_INPUTS = {
 }
 
 
+@pytest.mark.parametrize("strict", [False, True], ids=["default", "strict"])
 @pytest.mark.parametrize("case", list(BAD_INPUTS), ids=list(BAD_INPUTS))
-def test_bad_input(device, case):
+def test_bad_input(device, case, strict):
+    """Each bad input raises its error: in strict mode (and for CPU tensors) within the
+    call, otherwise no later than ``check_errors``; and nothing is left to report after."""
     change, error, argument, words = BAD_INPUTS[case]
-    with pytest.raises(error, match=re.escape(words)) as raised:
-        pk.packed_ctc_loss(**change(good_arguments(device), device))
-    assert str(raised.value).startswith(f"{argument} "), str(raised.value)
+    arguments = change(good_arguments(device), device)
+    with pytest.raises(error, match=re.escape(words)) as raised, pk.strict_checks(strict):
+        pk.packed_ctc_loss(**arguments)
+        if not strict:
+            pk.check_errors()
+    message = str(raised.value)
+    assert message.startswith(f"{argument} ") or message.startswith(f"packed_ctc_loss: {argument} "), message
+    pk.check_errors()
+
+
+def test_a_violation_is_raised_by_the_next_call(device, monkeypatch):
+    """Without the wait at the end of the call (the default mode on a GPU, stood in for
+    here), a bad call returns, and its violation is raised at the start of the next call
+    into the package, whatever its arguments, once: the call after that runs."""
+    from packed_kernels import validation
+
+    arguments = good_arguments(device)
+    bad = dict(arguments, target_lengths=torch.tensor([2, 7], device=device))
+    monkeypatch.setattr(validation, "values_checked", lambda device: None)
+    pk.packed_ctc_loss(**bad)
+    with pytest.raises(ValueError, match=re.escape("packed_ctc_loss: target_lengths must lie in [0, U = "
+                                                   "targets.shape[1]], which fails at utterance 1")):
+        pk.packed_ctc_loss(**arguments)
+    assert torch.isfinite(pk.packed_ctc_loss(**arguments))
+
+
+EMPTY_BATCHES = {
+    # name: (T_total, cu_seqlens, the message's start, or None for a good call)
+    "good": (0, [0], None),
+    "cu_seqlens-not-from-0": (0, [3], "packed_ctc_loss: cu_seqlens must start at 0, which fails at entry 0"),
+    "cu_seqlens-short-of-T_total": (7, [0], "packed_ctc_loss: cu_seqlens must end at T_total = log_probs.shape[0], "
+                                            "which fails at entry 0"),
+}
+
+
+@pytest.mark.parametrize("strict", [False, True], ids=["default", "strict"])
+@pytest.mark.parametrize("case", list(EMPTY_BATCHES))
+def test_no_utterances(device, case, strict):
+    """B = 0: ``cu_seqlens`` has one entry, and no utterance has a label sort to check it:
+    the check runs anyway (one program), and a good call gives the empty loss."""
+    T_total, cu, message = EMPTY_BATCHES[case]
+    log_probs = torch.zeros(T_total, 5, device=device).log_softmax(-1)
+    arguments = dict(log_probs=log_probs, cu_seqlens=torch.tensor(cu, device=device),
+                     targets=torch.zeros(0, 3, dtype=torch.long, device=device),
+                     target_lengths=torch.zeros(0, dtype=torch.long, device=device), reduction="none")
+    if message is None:
+        assert pk.packed_ctc_loss(**arguments).shape == (0,)
+        return
+    with pytest.raises(ValueError, match="^" + re.escape(message)), pk.strict_checks(strict):
+        pk.packed_ctc_loss(**arguments)
+        if not strict:
+            pk.check_errors()
 
 
 def test_the_table_covers_every_argument():

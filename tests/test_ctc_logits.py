@@ -487,60 +487,140 @@ def _other_device(device):
     return "meta" if device == "cpu" else "cpu"
 
 
+def _value_error(function, argument, requirement, where):
+    return f"{function}: {argument} {requirement}, which fails at {where}"
+
+
+FROM_LOGITS, LINEAR = "packed_ctc_loss_from_logits", "linear_packed_ctc_loss"
+IDS = "must lie in [0, C) within each target length"
+
+
+def _with(name, values):
+    """A change that replaces argument ``name`` by a tensor of ``values``."""
+    return lambda a, d: dict(a, **{name: torch.tensor(values, device=d)})
+
+
+#: The good targets, ``[[2, 2, 0], [1, -2, 3]]`` (lengths 2 and 1), with the first id spoiled.
+_FIRST_ID_TOO_LARGE = _with("targets", [[5, 2, 0], [1, -2, 3]])
+
 BAD_INPUTS = {
-    # name: (function, change to the good arguments, error type, words the message must contain)
-    "logits-not-tensor": (_from_logits, lambda a, d: dict(a, logits=a["logits"].tolist()), TypeError, "logits"),
-    "logits-int": (_from_logits, lambda a, d: dict(a, logits=a["logits"].long()), TypeError, "logits"),
-    "logits-3d": (_from_logits, lambda a, d: dict(a, logits=a["logits"][None]), ValueError, "logits must be 2-D"),
+    # name: (function, change to the good arguments, error type, argument the message names, words it contains)
+    "logits-not-tensor": (_from_logits, lambda a, d: dict(a, logits=a["logits"].tolist()), TypeError, "logits",
+                          "must be a torch.Tensor"),
+    "logits-int": (_from_logits, lambda a, d: dict(a, logits=a["logits"].long()), TypeError, "logits",
+                   "got torch.int64"),
+    "logits-3d": (_from_logits, lambda a, d: dict(a, logits=a["logits"][None]), ValueError, "logits", "must be 2-D"),
+    # values checked on the device: the message names the function first
     "logits-rows-not-T_total": (_from_logits, lambda a, d: dict(a, logits=a["logits"][:-1]), ValueError,
-                                "end at T_total = logits.shape[0]"),
-    "logits-blank-too-large": (_from_logits, lambda a, d: dict(a, options=dict(blank=5)), ValueError,
-                               "blank must lie in [0, C=5)"),
-    "logits-targets-id-too-large": (_from_logits, lambda a, d: dict(a, targets=a["targets"] + 5), ValueError,
-                                    "targets must lie in [0, C=5)"),
+                                "cu_seqlens", _value_error(FROM_LOGITS, "cu_seqlens",
+                                                           "must end at T_total = logits.shape[0]", "entry 2")),
+    "logits-blank-too-large": (_from_logits, lambda a, d: dict(a, options=dict(blank=5)), ValueError, "blank",
+                               "must lie in [0, C=5)"),
+    "logits-targets-id-too-large": (_from_logits, _FIRST_ID_TOO_LARGE, ValueError,
+                                    "targets", _value_error(FROM_LOGITS, "targets", IDS, "utterance 0")),
+    "logits-target_lengths-too-long": (_from_logits, _with("target_lengths", [4, 1]), ValueError,
+                                       "target_lengths", _value_error(FROM_LOGITS, "target_lengths",
+                                                                      "must lie in [0, U = targets.shape[1]]",
+                                                                      "utterance 0")),
+    "logits-cu_seqlens-not-from-0": (_from_logits, _with("cu_seqlens", [1, 4, 7]), ValueError,
+                                     "cu_seqlens", _value_error(FROM_LOGITS, "cu_seqlens", "must start at 0",
+                                                                "entry 0")),
     "logits-reduction-unknown": (_from_logits, lambda a, d: dict(a, options=dict(reduction="average")),
-                                 ValueError, "reduction"),
-    "hidden-not-tensor": (_linear, lambda a, d: dict(a, hidden=a["hidden"].tolist()), TypeError, "hidden"),
-    "hidden-int": (_linear, lambda a, d: dict(a, hidden=a["hidden"].long()), TypeError, "hidden"),
-    "hidden-1d": (_linear, lambda a, d: dict(a, hidden=a["hidden"][:, 0]), ValueError, "hidden must be 2-D"),
-    "hidden-rows-not-T_total": (_linear, lambda a, d: dict(a, hidden=a["hidden"][:-1]), ValueError,
-                                "end at T_total = hidden.shape[0]"),
-    "weight-int": (_linear, lambda a, d: dict(a, weight=a["weight"].long()), TypeError, "weight"),
-    "weight-1d": (_linear, lambda a, d: dict(a, weight=a["weight"][:, 0]), ValueError, "weight must be 2-D"),
-    "weight-D-mismatch": (_linear, lambda a, d: dict(a, weight=a["weight"][:, :2]), ValueError,
-                          "weight must have shape (C, D=3)"),
-    "weight-no-classes": (_linear, lambda a, d: dict(a, weight=a["weight"][:0], bias=None), ValueError,
-                          "weight must have at least one class"),
+                                 ValueError, "reduction", "must be one of"),
+    "hidden-not-tensor": (_linear, lambda a, d: dict(a, hidden=a["hidden"].tolist()), TypeError, "hidden",
+                          "must be a torch.Tensor"),
+    "hidden-int": (_linear, lambda a, d: dict(a, hidden=a["hidden"].long()), TypeError, "hidden", "got torch.int64"),
+    "hidden-1d": (_linear, lambda a, d: dict(a, hidden=a["hidden"][:, 0]), ValueError, "hidden", "must be 2-D"),
+    "hidden-rows-not-T_total": (_linear, lambda a, d: dict(a, hidden=a["hidden"][:-1]), ValueError, "cu_seqlens",
+                                _value_error(LINEAR, "cu_seqlens", "must end at T_total = hidden.shape[0]",
+                                             "entry 2")),
+    "weight-int": (_linear, lambda a, d: dict(a, weight=a["weight"].long()), TypeError, "weight", "got torch.int64"),
+    "weight-1d": (_linear, lambda a, d: dict(a, weight=a["weight"][:, 0]), ValueError, "weight", "must be 2-D"),
+    "weight-D-mismatch": (_linear, lambda a, d: dict(a, weight=a["weight"][:, :2]), ValueError, "weight",
+                          "must have shape (C, D=3)"),
+    "weight-no-classes": (_linear, lambda a, d: dict(a, weight=a["weight"][:0], bias=None), ValueError, "weight",
+                          "must have at least one class"),
     "weight-other-device": (_linear, lambda a, d: dict(a, weight=a["weight"].to(_other_device(d))), ValueError,
-                            "weight must be on hidden's device"),
-    "bias-int": (_linear, lambda a, d: dict(a, bias=a["bias"].long()), TypeError, "bias"),
-    "bias-2d": (_linear, lambda a, d: dict(a, bias=a["bias"][None]), ValueError, "bias must be 1-D"),
-    "bias-wrong-length": (_linear, lambda a, d: dict(a, bias=a["bias"][:-1]), ValueError,
-                          "bias must have shape (C=5,)"),
-    "bias-other-device": (_linear, lambda a, d: dict(a, bias=a["bias"].to(_other_device(d))), ValueError,
-                          "bias must be on hidden's device"),
-    "linear-blank-beyond-classes": (_linear, lambda a, d: dict(a, options=dict(blank=5)), ValueError,
-                                    "blank must lie in [0, C=5)"),
-    "linear-targets-id-too-large": (_linear, lambda a, d: dict(a, targets=a["targets"] + 5), ValueError,
-                                    "targets must lie in [0, C=5)"),
+                            "weight", "must be on hidden's device"),
+    "bias-int": (_linear, lambda a, d: dict(a, bias=a["bias"].long()), TypeError, "bias", "got torch.int64"),
+    "bias-2d": (_linear, lambda a, d: dict(a, bias=a["bias"][None]), ValueError, "bias", "must be 1-D"),
+    "bias-wrong-length": (_linear, lambda a, d: dict(a, bias=a["bias"][:-1]), ValueError, "bias",
+                          "must have shape (C=5,)"),
+    "bias-other-device": (_linear, lambda a, d: dict(a, bias=a["bias"].to(_other_device(d))), ValueError, "bias",
+                          "must be on hidden's device"),
+    "linear-blank-beyond-classes": (_linear, lambda a, d: dict(a, options=dict(blank=5)), ValueError, "blank",
+                                    "must lie in [0, C=5)"),
+    "linear-targets-id-too-large": (_linear, _FIRST_ID_TOO_LARGE, ValueError, "targets",
+                                    _value_error(LINEAR, "targets", IDS, "utterance 0")),
+    "linear-cu_seqlens-decreasing": (_linear, _with("cu_seqlens", [0, 8, 7]), ValueError, "cu_seqlens",
+                                     _value_error(LINEAR, "cu_seqlens", "must be non-decreasing", "entry 2")),
+    "linear-target_lengths-negative": (_linear, lambda a, d: dict(a, target_lengths=a["target_lengths"] - 2),
+                                       ValueError, "target_lengths", f"{LINEAR}: target_lengths must lie in [0, U"),
     "linear-target_lengths-wrong-batch": (_linear, lambda a, d: dict(a, target_lengths=a["target_lengths"][:1]),
-                                          ValueError, "target_lengths must have shape"),
+                                          ValueError, "target_lengths", "must have shape"),
     "linear-zero_infinity-not-bool": (_linear, lambda a, d: dict(a, options=dict(zero_infinity=1)), TypeError,
-                                      "zero_infinity"),
-    "chunk_frames-zero": (_linear, lambda a, d: dict(a, options=dict(chunk_frames=0)), ValueError,
-                          "chunk_frames must be >= 1"),
-    "chunk_frames-float": (_linear, lambda a, d: dict(a, options=dict(chunk_frames=4.0)), TypeError,
-                           "chunk_frames"),
-    "chunk_frames-bool": (_linear, lambda a, d: dict(a, options=dict(chunk_frames=True)), TypeError,
-                          "chunk_frames"),
+                                      "zero_infinity", "must be a bool"),
+    "chunk_frames-zero": (_linear, lambda a, d: dict(a, options=dict(chunk_frames=0)), ValueError, "chunk_frames",
+                          "must be >= 1"),
+    "chunk_frames-float": (_linear, lambda a, d: dict(a, options=dict(chunk_frames=4.0)), TypeError, "chunk_frames",
+                           "got float"),
+    "chunk_frames-bool": (_linear, lambda a, d: dict(a, options=dict(chunk_frames=True)), TypeError, "chunk_frames",
+                          "got bool"),
+}
+
+_NAMES = {_from_logits: FROM_LOGITS, _linear: LINEAR}
+
+
+@pytest.mark.parametrize("strict", [False, True], ids=["default", "strict"])
+@pytest.mark.parametrize("case", list(BAD_INPUTS), ids=list(BAD_INPUTS))
+def test_bad_input(device, case, strict):
+    """Each bad input raises its error: in strict mode (and for CPU tensors) within the
+    call, otherwise no later than ``check_errors``; the message starts with the argument,
+    or with the function and the argument for the values checked on the device."""
+    function, change, error, argument, words = BAD_INPUTS[case]
+    arguments = change(_good(device), device)
+    with pytest.raises(error, match=re.escape(words)) as raised, pk.strict_checks(strict):
+        function(arguments)
+        if not strict:
+            pk.check_errors()
+    message = str(raised.value)
+    assert message.startswith(f"{argument} ") or message.startswith(f"{_NAMES[function]}: {argument} "), message
+    pk.check_errors()
+
+
+SAME_CHECK_CASES = {
+    # name: (change to the good arguments, the argument and the rest of the message)
+    "cu_seqlens-decreasing": (lambda a, d: dict(a, cu_seqlens=torch.tensor([0, 8, 7], device=d)),
+                              "cu_seqlens must be non-decreasing, which fails at entry 2"),
+    "cu_seqlens-short": (lambda a, d: dict(a, cu_seqlens=torch.tensor([0, 4, 6], device=d)),
+                         "cu_seqlens must end at T_total = {rows}.shape[0], which fails at entry 2"),
+    "target_lengths-too-long-last": (lambda a, d: dict(a, target_lengths=torch.tensor([2, 4], device=d),
+                                                       targets=torch.tensor([[2, 2, 0], [1, 2, 3]], device=d)),
+                                     "target_lengths must lie in [0, U = targets.shape[1]], "
+                                     "which fails at utterance 1"),
+    "targets-negative-last": (lambda a, d: dict(a, targets=torch.tensor([[1, 2, 0], [-1, 0, 0]], device=d)),
+                              f"targets {IDS}, which fails at utterance 1"),
 }
 
 
-@pytest.mark.parametrize("case", list(BAD_INPUTS), ids=list(BAD_INPUTS))
-def test_bad_input(device, case):
-    function, change, error, words = BAD_INPUTS[case]
-    with pytest.raises(error, match=re.escape(words)):
-        function(change(_good(device), device))
+@pytest.mark.parametrize("strict", [False, True], ids=["default", "strict"])
+@pytest.mark.parametrize("case", list(SAME_CHECK_CASES))
+def test_the_three_functions_report_the_same_check(device, case, strict):
+    """The same bad value gives the same message from the three functions, each naming
+    itself (and the argument that holds its ``T_total`` rows)."""
+    change, rest = SAME_CHECK_CASES[case]
+    arguments = change(_good(device), device)
+    calls = {"packed_ctc_loss": ("log_probs", lambda: pk.packed_ctc_loss(
+                 arguments["logits"].log_softmax(-1), arguments["cu_seqlens"], arguments["targets"],
+                 arguments["target_lengths"])),
+             FROM_LOGITS: ("logits", lambda: _from_logits(arguments)),
+             LINEAR: ("hidden", lambda: _linear(arguments))}
+    for name, (rows, call) in calls.items():
+        with pytest.raises(ValueError) as raised, pk.strict_checks(strict):
+            call()
+            if not strict:
+                pk.check_errors()
+        assert str(raised.value) == f"{name}: " + rest.format(rows=rows)
 
 
 def test_good_arguments_pass(device):

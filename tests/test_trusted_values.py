@@ -1,19 +1,21 @@
-"""The path that trusts its values: what the kernels give for offsets, lengths and indices
-that no check has seen.
+"""What the kernels give for offsets, lengths and indices that break their rules.
 
-While ``torch.compile`` traces or a CUDA graph is captured, the value checks of the
-public functions (which read tensors on the host) are skipped. ``packed_ctc_loss``'s
-kernels then clamp every index they read (int64 values in int64, before any int32
-conversion): utterance ``b`` is frames ``[clamp(cu[b], 0, T_total), clamp(cu[b + 1],
-start_b, T_total))``, its target the first ``clamp(target_lengths[b], 0, U)`` ids of
-``targets[b]``, each clamped to ``[0, C)``; rows of no utterance get a zero gradient and
-the mean divides by the clamped lengths. The segment operations clamp ``idx`` to
-``[0, num_segments)``. These tests hold both to that result, to float64 rounding: the
-float64 NumPy stages run on the clamped values are the references. They call the CTC custom ops directly (what a traced call runs), the segment
+Whatever the values, the kernels stay in bounds and give the result of clamped values,
+and the violation is reported (here, where the tests run traced calls, by the next
+``check_errors``). ``packed_ctc_loss``'s kernels clamp every index they read (int64
+values in int64, before any int32 conversion): utterance ``b`` is frames
+``[clamp(cu[b], 0, T_total), clamp(cu[b + 1], start_b, T_total))``, its target the first
+``clamp(target_lengths[b], 0, U)`` ids of ``targets[b]``, each clamped to ``[0, C)``; rows
+of no utterance get a zero gradient and the mean divides by the clamped lengths. The
+segment operations clamp ``idx`` to ``[0, num_segments)``. These tests hold both to that
+result, to float64 rounding: the float64 NumPy stages run on the clamped values are the
+references. They call the CTC custom ops directly (what a traced call runs), the segment
 operations under a dispatch mode (which makes a call traced while still running the
 kernels), and one public function of each inside ``torch.compile``.
 """
 from __future__ import annotations
+
+import re
 
 import numpy as np
 import pytest
@@ -147,6 +149,14 @@ def test_ctc_kernels_clamp_offsets_lengths_and_ids(case, reduction, device):
     x, cu, targets, lengths = _ctc_case(case, device)
     grad_loss = _upstream(reduction, cu.shape[0] - 1, device)
     loss, grad = _ctc_op_loss_and_grad(x, cu, targets, lengths, reduction, grad_loss)
+    # the op checks the values as packed_ctc_loss, and reports the argument they break
+    # (either one, where two are broken)
+    broken = {"in-range": None, "no-frames-at-all": "cu_seqlens|target_lengths", "no-utterances": "cu_seqlens",
+              "target-ids-out-of-range": "targets", "target-ids-int64-beyond-int32": "targets"}.get(
+        case, case.split("-")[0])
+    if broken:
+        with pytest.raises(ValueError, match=f"^packed_ctc_loss: ({broken}) must "):
+            pk.check_errors()
     expected_loss, expected_grad = clamped_ctc_reference(x, cu, targets, lengths, 0, reduction, grad_loss)
     assert_close(f"{case} {reduction} loss", loss, expected_loss, atol=1e-12, rtol=1e-12)
     assert_close(f"{case} {reduction} gradient", grad, expected_grad, atol=1e-12, rtol=1e-10)
@@ -162,13 +172,17 @@ def test_ctc_decreasing_offsets_give_each_utterance_its_clamped_frames(device):
     targets = torch.tensor(TARGETS, device=device)
     lengths = torch.tensor([3, 0, 2], device=device)
     loss = torch.ops.packed_kernels.ctc_loss.default(x, cu, targets, lengths, 0, "none", False)[0]
+    with pytest.raises(ValueError, match=re.escape("packed_ctc_loss: cu_seqlens must be non-decreasing, "
+                                                   "which fails at entry 2")):
+        pk.check_errors()
     expected = clamped_ctc_reference(x, cu, targets, lengths, 0, "none", torch.ones(3))[0]
     assert_close("losses of overlapping utterances", loss, expected, atol=1e-12, rtol=1e-12)
 
 
 def test_ctc_public_function_inside_torch_compile_clamps(device):
-    """Inside ``torch.compile`` no value is checked: out-of-range target ids and lengths
-    reach the kernels, and the loss and gradient are the clamped ones."""
+    """Inside ``torch.compile`` out-of-range target ids and lengths reach the kernels, and
+    the loss and gradient are the clamped ones; the kernels report the violation, which a
+    later check raises (the compiled call does not stop for it)."""
     torch._dynamo.reset()
     x, cu, targets, lengths = _ctc_case("target-ids-out-of-range", device)
     lengths = torch.tensor([2, 3, 10 ** 6], dtype=torch.int64, device=device)
@@ -181,11 +195,14 @@ def test_ctc_public_function_inside_torch_compile_clamps(device):
     z = x.detach().requires_grad_()
     loss = compiled(z, cu, targets, lengths)
     (grad,) = torch.autograd.grad(loss, z, grad_loss)
+    reported = "^packed_ctc_loss: (targets|target_lengths) must "  # both are broken: either
+    with pytest.raises(ValueError, match=reported):
+        pk.check_errors()  # the compiled call's report
     expected_loss, expected_grad = clamped_ctc_reference(x, cu, targets, lengths, 0, "none", grad_loss)
     assert_close("compiled loss", loss, expected_loss, atol=1e-12, rtol=1e-12)
     assert_close("compiled gradient", grad, expected_grad, atol=1e-12, rtol=1e-10)
-    with pytest.raises(ValueError, match="target_lengths must be <= U"):
-        loss_of(z, cu, targets, lengths)  # eager: the same values are refused
+    with pytest.raises(ValueError, match=reported), pk.strict_checks():
+        loss_of(z, cu, targets, lengths)  # eager and strict: the same values are refused within the call
 
 
 # --------------------------------------------------------------------------------------
@@ -226,12 +243,21 @@ def test_segment_operations_clamp_idx_while_traced(case, op, device):
     assert_close(f"{op} {case}", out, numpy_forward(op, inputs, clamped, S), atol=1e-12, rtol=1e-12)
     for k, (got, want) in enumerate(zip(firsts, numpy_backward(op, inputs, clamped, S, grad))):
         assert_close(f"{op} {case} d/input{k}", got, want, atol=1e-12, rtol=1e-10)
+    _assert_reported(op, "idx must lie in [0, num_segments)")
+
+
+def _assert_reported(op, words):
+    """The traced call's check reported its violation too: the next check raises it."""
+    function = "segmented_" + op.replace("_broadcast", "")
+    with pytest.raises(ValueError, match=re.escape(f"{function}: {words}")):
+        pk.check_errors()
 
 
 @pytest.mark.parametrize("capturing", [False, True])
-def test_a_call_while_a_cuda_graph_is_captured_skips_the_idx_check(capturing, device, monkeypatch):
+def test_a_call_while_a_cuda_graph_is_captured_reports_later(capturing, device, monkeypatch):
     """During a capture (CUDA initialised, the current stream capturing: stood in for
-    here) a call counts as traced: an ``idx`` out of range is clamped, not refused."""
+    here) a call counts as traced: an ``idx`` out of range is clamped, and reported by a
+    later check instead of within the call."""
     monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: capturing)
     idx, S = _idx_case("idx-beyond-num_segments", device)
@@ -243,6 +269,7 @@ def test_a_call_while_a_cuda_graph_is_captured_skips_the_idx_check(capturing, de
         return
     want = torch.zeros(S, dtype=torch.float64, device=device).index_add_(0, idx.clamp(0, S - 1).long(), x)
     assert_close("sum captured", pk.segmented_sum(x, idx, S), want, atol=0, rtol=0)
+    _assert_reported("sum", "idx must lie in [0, num_segments)")
 
 
 @pytest.mark.parametrize("op", ["mul", "mul_broadcast", "matvec"])
@@ -261,6 +288,7 @@ def test_row_wise_operations_take_an_unsorted_idx_while_traced(op, device):
     with Traced():
         (got,) = torch.autograd.grad(out, x, grad)
     assert_close(f"{op} unsorted d/x", got, numpy_backward(op, (x, y), clamped, S, grad)[0], atol=1e-12, rtol=1e-10)
+    _assert_reported(op, "idx must lie in [0, num_segments)")
 
 
 @pytest.mark.parametrize("op", OPS)
@@ -276,8 +304,8 @@ def test_rows_without_any_segment_are_refused_while_traced(op, device):
 
 
 def test_segment_sum_inside_torch_compile_clamps(device):
-    """Inside ``torch.compile`` ``idx`` is not checked; out-of-range values are clamped, in
-    the forward and in the compiled backward."""
+    """Inside ``torch.compile`` out-of-range values of ``idx`` are clamped, in the forward
+    and in the compiled backward, and reported to the next eager call."""
     torch._dynamo.reset()
     idx, S = _idx_case("idx-beyond-num_segments", device)
     x = make_inputs("sum", idx.shape[0], S, 3, torch.float64, device, seed=2)[0].requires_grad_()
@@ -288,5 +316,7 @@ def test_segment_sum_inside_torch_compile_clamps(device):
     grad = torch.randn(out.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(3)).to(device)
     (got,) = torch.autograd.grad(out, x, grad)
     assert_close("compiled sum d/x", got, numpy_backward("sum", (x,), clamped, S, grad)[0], atol=1e-12, rtol=1e-12)
-    with pytest.raises(ValueError, match=r"idx must be < num_segments \(3\)"):
+    with pytest.raises(ValueError, match=re.escape("segmented_sum: idx must lie in [0, num_segments)")):
+        pk.segmented_sum(x, idx, S)  # the compiled call's report
+    with pytest.raises(ValueError, match=re.escape("segmented_sum: idx must lie in [0, num_segments)")):
         pk.segmented_sum(x, idx, S)  # eager: the same idx is refused

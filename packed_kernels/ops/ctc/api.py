@@ -8,12 +8,18 @@ itself. Eager calls run both as ``autograd.Function``s; traced calls (``torch.co
 CUDA-graph capture, fake tensors) as the custom ops, with the same formula. Tensors the
 kernels do not take (CPU tensors on a machine whose kernels are compiled for a GPU) go
 through the padded PyTorch stage instead, with the same conventions.
+
+The values of ``cu_seqlens``, ``target_lengths`` and ``targets`` are checked on the
+device, by the label sort of the forward (:func:`~.triton_kernels.ctc_label_groups_kernel`,
+no extra launch), and reported as :mod:`packed_kernels.validation` says. Each forward
+operator reports as the public function that calls it (:func:`_value_checks`), traced
+calls included; the padded stage checks its CPU tensors on the host, with the same
+:class:`~packed_kernels.validation.ValueCheck` s.
 """
 from __future__ import annotations
 
-from typing import Tuple
+from typing import NamedTuple, Tuple
 
-import numpy as np
 import torch
 from torch import Tensor
 
@@ -21,6 +27,7 @@ from ... import runtime, validation
 from ...dispatch import is_traced, operator
 from .padded_torch import ctc_loss_padded
 from .triton_kernels import (
+    CHECK_NAMES,
     compute_dtype,
     ctc_backward_triton,
     ctc_forward_config,
@@ -31,6 +38,86 @@ from .triton_kernels import (
 __all__ = ["packed_ctc_loss"]
 
 _REDUCTIONS = ("none", "sum", "mean")
+
+
+# ---------------------------------------------------------------------------------------
+# the value checks
+
+
+class _ValueChecks(NamedTuple):
+    """The value checks of one public function, in the order of
+    :data:`~.triton_kernels.CHECK_NAMES` (the order the launchers take their codes)."""
+
+    cu_seqlens_start: validation.ValueCheck
+    cu_seqlens_order: validation.ValueCheck
+    cu_seqlens_end: validation.ValueCheck
+    target_lengths: validation.ValueCheck
+    targets: validation.ValueCheck
+
+    @property
+    def codes(self) -> Tuple[int, ...]:
+        return tuple(check.code for check in self)
+
+
+assert _ValueChecks._fields == CHECK_NAMES
+
+
+def _value_checks(function: str, rows: str) -> _ValueChecks:
+    """The value checks of ``function``, whose argument ``rows`` has the ``T_total`` rows.
+    ``cu_seqlens`` is checked per entry (its index), the targets per utterance."""
+    check = validation.value_check
+    return _ValueChecks(
+        check(function, "cu_seqlens", "must start at 0", "entry"),
+        check(function, "cu_seqlens", "must be non-decreasing", "entry"),
+        check(function, "cu_seqlens", f"must end at T_total = {rows}.shape[0]", "entry"),
+        check(function, "target_lengths", "must lie in [0, U = targets.shape[1]]", "utterance"),
+        check(function, "targets", "must lie in [0, C) within each target length", "utterance"),
+    )
+
+
+#: What ``packed_kernels::ctc_loss`` checks, and reports as.
+_CHECKS = _value_checks("packed_ctc_loss", "log_probs")
+
+
+def _check_values_on_host(checks: _ValueChecks, cu_seqlens: Tensor, targets: Tensor, target_lengths: Tensor,
+                          T_total: int, C: int) -> None:
+    """The device's value checks, made by PyTorch ops on CPU tensors that no kernel reads
+    (the padded stage's) and raised at once: the first check of ``checks`` that fails, at
+    its first failing position. (Where several values are broken, the kernels report one
+    of them; where one is, the same as here.)"""
+    U = targets.shape[1]
+    # (under a torch.func transform, reading plain tensors' values needs the transforms
+    # switched off for the read)
+    with torch._C._DisableFuncTorch():
+        if int(cu_seqlens[0]) != 0:
+            raise checks.cu_seqlens_start.error(0)
+        descents = (cu_seqlens[1:] < cu_seqlens[:-1]).nonzero()
+        if descents.numel():
+            raise checks.cu_seqlens_order.error(int(descents[0, 0]) + 1)
+        B = cu_seqlens.shape[0] - 1
+        if int(cu_seqlens[B]) != T_total:
+            raise checks.cu_seqlens_end.error(B)
+        outside = ((target_lengths < 0) | (target_lengths > U)).nonzero()
+        if outside.numel():
+            raise checks.target_lengths.error(int(outside[0, 0]))
+        in_target = torch.arange(U)[None, :] < target_lengths.clamp(0, U)[:, None]
+        outside = (((targets < 0) | (targets >= C)) & in_target).any(1).nonzero()
+        if outside.numel():
+            raise checks.targets.error(int(outside[0, 0]))
+
+
+def _padded_length(checks: _ValueChecks, traced: bool, shape: Tuple[int, int], cu_seqlens: Tensor,
+                   targets: Tensor, target_lengths: Tensor) -> int:
+    """The frames the padded stage pads each utterance to, for its CPU tensors (whose
+    ``shape`` is ``(T_total, C)``): eager, their values are checked on the host first
+    (:func:`_check_values_on_host`) and the length is the longest utterance's; traced
+    (no value may be read), ``T_total``."""
+    T_total, C = shape
+    if traced:
+        return T_total
+    _check_values_on_host(checks, cu_seqlens, targets, target_lengths, T_total, C)
+    with torch._C._DisableFuncTorch():
+        return int(cu_seqlens.diff().max()) if cu_seqlens.shape[0] > 1 else 0
 
 
 # ---------------------------------------------------------------------------------------
@@ -67,9 +154,11 @@ def _ctc_loss(
     zero_infinity: bool,
 ) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """``(loss, nll, state, labels, slots, run_starts)``: the reduced loss, then what its
-    gradient needs (``nll`` is empty where the loss is the ``(B,)`` losses themselves)."""
+    gradient needs (``nll`` is empty where the loss is the ``(B,)`` losses themselves).
+    The label sort checks the values of ``cu_seqlens``, ``target_lengths`` and ``targets``
+    and reports a violation as ``packed_ctc_loss`` (:data:`_CHECKS`)."""
     nll, *saved = ctc_forward_triton(log_probs, cu_seqlens, targets, target_lengths, blank,
-                                     ctc_forward_config(targets.shape[1]))
+                                     ctc_forward_config(targets.shape[1]), _CHECKS.codes)
     loss = _reduce(nll, target_lengths, reduction, zero_infinity, targets.shape[1])
     return (loss, nll.new_empty(0) if _loss_is_nll(reduction, zero_infinity) else nll, *saved)
 
@@ -138,50 +227,6 @@ _ctc_loss.register_autograd(_backward, setup_context=_setup_context)
 # the public function
 
 
-class _HostCopies:
-    """Copies of the small index tensors on the host, started now and waited for later.
-
-    On a GPU the copies go into pinned memory on a side stream that first waits for the
-    work already queued (whatever produced the tensors). The caller can then launch
-    the kernels, whose every index is clamped so that any values are safe, and wait
-    for the copies while the GPU computes: the value checks cost no kernels and do not
-    leave the GPU idle. On the CPU the tensors are read directly.
-    """
-
-    def __init__(self, *tensors: Tensor):
-        self.tensors = tensors
-        self.done = None
-        if tensors[0].device.type == "cpu":
-            return
-        current = torch.cuda.current_stream(tensors[0].device)
-        side = _side_stream(tensors[0].device)
-        side.wait_stream(current)
-        self.hosts = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in tensors]
-        with torch.cuda.stream(side):
-            for host, t in zip(self.hosts, tensors):
-                host.copy_(t, non_blocking=True)
-            self.done = torch.cuda.Event()
-            self.done.record(side)
-
-    def wait(self):
-        if self.done is not None:
-            self.done.synchronize()
-        # (under a torch.func transform, reading plain tensors' values needs the
-        # transforms switched off for the read)
-        with torch._C._DisableFuncTorch():
-            return [t.numpy() for t in (self.tensors if self.done is None else self.hosts)]
-
-
-_SIDE_STREAMS = {}
-
-
-def _side_stream(device: torch.device) -> "torch.cuda.Stream":
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    if index not in _SIDE_STREAMS:
-        _SIDE_STREAMS[index] = torch.cuda.Stream(device=index)
-    return _SIDE_STREAMS[index]
-
-
 def _check_arguments(log_probs, cu_seqlens, targets, target_lengths, blank, reduction, zero_infinity,
                      name: str = "log_probs") -> int:
     """The checks that need no tensor values; returns ``blank`` as a Python int. ``name``
@@ -217,40 +262,6 @@ def _check_batch(cu_seqlens, targets, target_lengths, blank, reduction, zero_inf
     validation.check_bool("zero_infinity", zero_infinity)
     validation.check_same_device(**tensors, cu_seqlens=cu_seqlens, targets=targets, target_lengths=target_lengths)
     return blank
-
-
-def _check_values(copies: _HostCopies, T_total: int, C: int, U: int, rows: str = "log_probs") -> None:
-    """The checks that read tensor values: ``cu_seqlens``, ``target_lengths``, ``targets``;
-    ``rows`` names the argument whose first dimension is ``T_total``."""
-    cu, lengths, ids = copies.wait()
-    B = len(lengths)
-    in_target = np.arange(U)[None, :] < lengths[:, None]
-    first, last, decreasing = int(cu[0]), int(cu[-1]), int((cu[1:] < cu[:-1]).sum())
-    shortest, longest = (int(lengths.min()), int(lengths.max())) if B else (0, 0)
-    negative_ids, large_ids = int(((ids < 0) & in_target).sum()), int(((ids >= C) & in_target).sum())
-    if first != 0:
-        raise ValueError(f"cu_seqlens must start at 0; got cu_seqlens[0] = {first}")
-    if decreasing:
-        raise ValueError(f"cu_seqlens must be non-decreasing; got {decreasing} decreasing step(s)")
-    if last != T_total:
-        raise ValueError(f"cu_seqlens must end at T_total = {rows}.shape[0] = {T_total}; "
-                         f"got cu_seqlens[-1] = {last}")
-    if shortest < 0:
-        raise ValueError(f"target_lengths must be >= 0; got a length of {shortest}")
-    if longest > U:
-        raise ValueError(f"target_lengths must be <= U = targets.shape[1] = {U}; got a length of {longest}")
-    if negative_ids or large_ids:
-        raise ValueError(f"targets must lie in [0, C={C}) within each target length; got "
-                         f"{negative_ids + large_ids} id(s) outside that range")
-
-
-def _longest_utterance(copies, T_total: int) -> int:
-    """The most frames of one utterance (the padded stage's padded length); ``T_total``
-    when the values cannot be read (traced)."""
-    if copies is None:
-        return T_total
-    cu = copies.wait()[0]
-    return int(np.diff(cu).max()) if len(cu) > 1 else 0
 
 
 class _PyTorchGradientConvention(torch.autograd.Function):
@@ -332,22 +343,32 @@ def packed_ctc_loss(
     Returns:
         The loss: ``(B,)`` for ``"none"``, else a scalar; float64 for float64 input,
         float32 otherwise. Its gradient with respect to ``log_probs`` has the dtype of
-        ``log_probs`` and follows PyTorch's convention (see the chapter): it equals the
+        ``log_probs`` and follows PyTorch's convention (see the chapter "CTC loss over packed sequences" of
+        the packed-kernels book, ``book/ctc.ipynb``): it equals the
         gradient of the logits once passed through the ``log_softmax``'s backward.
 
-    The padded ``(B, T, C)`` log-probabilities or gradient are never formed. The value
-    checks copy ``cu_seqlens``, ``target_lengths`` and ``targets`` to the host once per
-    call; on a GPU they run while the forward kernels compute. They are skipped while
-    ``torch.compile`` traces or a CUDA graph is captured, and for ``meta`` tensors and under
-    ``FakeTensorMode`` (which infer the shapes only). The kernels clamp every index they
-    read from these tensors, so no value can make them read or write out of bounds.
+    The padded ``(B, T, C)`` log-probabilities or gradient are never formed. Shapes,
+    dtypes and devices are checked on the host, before any kernel runs. The values of
+    ``cu_seqlens``, ``target_lengths`` and ``targets`` are checked on the device, by the
+    forward's first kernel, without stopping the host; a violation is raised as a
+    ``ValueError`` naming the function, the argument and the entry or utterance (see
+    :mod:`packed_kernels.validation`): for CPU tensors and in strict mode
+    (:func:`~packed_kernels.strict_checks`) before the call returns, otherwise by a later
+    call into the package or by :func:`~packed_kernels.check_errors`. Calls that
+    ``torch.compile`` traces or a CUDA graph captures run the same kernel, so the compiled
+    call and each replay report too, never within the call: by a later eager call or by
+    :func:`~packed_kernels.check_errors`. ``meta`` tensors and ``FakeTensorMode`` infer the
+    shapes only and check nothing. The kernels clamp every index they read from these
+    tensors, so no value can make them read or write out of bounds, and compute on.
 
     Tensors the kernels do not take (CPU tensors on a machine whose kernels are compiled
     for a GPU) are computed by the padded PyTorch stage,
     :func:`~packed_kernels.ops.ctc.padded_torch.ctc_loss_padded`, with the same loss,
     dtypes and gradient. Under ``torch.autocast`` for ``log_probs``' device type,
     ``log_probs`` of a lower precision is cast to float32 first, as ``F.ctc_loss`` does
-    (the kernels compute in float32 either way). ``torch.func.grad`` works too.
+    (the kernels compute in float32 either way). That stage checks the values of its CPU
+    tensors on the host, with the same messages, and raises within the call.
+    ``torch.func.grad`` works too.
 
     Example:
         >>> import torch
@@ -361,23 +382,18 @@ def packed_ctc_loss(
         >>> loss.shape, log_probs.grad.shape
         (torch.Size([]), torch.Size([8, 4]))
     """
+    validation.raise_reported()
     blank = _check_arguments(log_probs, cu_seqlens, targets, target_lengths, blank, reduction, zero_infinity)
     if log_probs.dtype in (torch.float16, torch.bfloat16) and runtime.autocast_enabled(log_probs.device.type):
         log_probs = log_probs.float()
     # the kernels read the offsets and lengths as dense arrays (a strided view is copied once)
     cu_seqlens, target_lengths = cu_seqlens.contiguous(), target_lengths.contiguous()
-    copies = None if is_traced(log_probs, cu_seqlens, targets, target_lengths) else _HostCopies(
-        cu_seqlens, target_lengths, targets)
+    traced = is_traced(log_probs, cu_seqlens, targets, target_lengths)
     if not runtime.on_kernel_device(log_probs):
-        if copies is not None:
-            _check_values(copies, *log_probs.shape, targets.shape[1])
+        longest = _padded_length(_CHECKS, traced, log_probs.shape, cu_seqlens, targets, target_lengths)
         return _padded_stage_loss(log_probs, cu_seqlens, targets, target_lengths, blank, reduction,
-                                  zero_infinity, _longest_utterance(copies, log_probs.shape[0]))
-    if copies is not None and copies.done is None:
-        _check_values(copies, *log_probs.shape, targets.shape[1])  # on the CPU: before any kernel
+                                  zero_infinity, longest)
     loss = _ctc_loss(log_probs, cu_seqlens, targets, target_lengths, blank, reduction, zero_infinity)[0]
-    if copies is not None and copies.done is not None:
-        # on the GPU: while the forward kernels run (they clamp every index, so bad values
-        # cannot make them read or write out of bounds; their result is then discarded)
-        _check_values(copies, *log_probs.shape, targets.shape[1])
+    if not traced:
+        validation.values_checked(log_probs.device)
     return loss

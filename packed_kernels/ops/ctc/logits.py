@@ -25,7 +25,9 @@ with ``g_b`` the gradient of the loss with respect to utterance ``b``'s ``nll`` 
   ``packed_kernels::ctc_linear_loss`` and ``packed_kernels::ctc_linear_loss_backward``.
 
 Both share :func:`~packed_kernels.packed_ctc_loss`'s conventions, checks and fallbacks
-(tensors the kernels do not take go through the padded PyTorch stage).
+(tensors the kernels do not take go through the padded PyTorch stage). Each forward
+operator checks the values of ``cu_seqlens``, ``target_lengths`` and ``targets`` on the
+device, in its label sort, and reports a violation as its public function.
 """
 from __future__ import annotations
 
@@ -40,12 +42,11 @@ from ...dispatch import is_traced, operator
 from .api import (
     _check_arguments,
     _check_batch,
-    _check_values,
-    _HostCopies,
-    _longest_utterance,
     _loss_is_nll,
+    _padded_length,
     _padded_stage_loss,
     _reduce,
+    _value_checks,
 )
 from .triton_kernels import (
     compute_dtype,
@@ -59,6 +60,10 @@ from .triton_kernels import (
 )
 
 __all__ = ["linear_packed_ctc_loss", "packed_ctc_loss_from_logits"]
+
+#: What each forward operator checks, and reports as (its public function).
+_LOGITS_CHECKS = _value_checks("packed_ctc_loss_from_logits", "logits")
+_LINEAR_CHECKS = _value_checks("linear_packed_ctc_loss", "hidden")
 
 
 def _configs(B: int, C: int, U: int):
@@ -96,10 +101,11 @@ def _ctc_loss_from_logits(
     zero_infinity: bool,
 ) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """``(loss, nll, lse, state, labels, slots, run_starts)``: the reduced loss, then what its
-    gradient needs (``nll`` is empty where the loss is the ``(B,)`` losses themselves)."""
+    gradient needs (``nll`` is empty where the loss is the ``(B,)`` losses themselves).
+    Values are checked as ``packed_ctc_loss_from_logits``'s (:data:`_LOGITS_CHECKS`)."""
     B, U = cu_seqlens.shape[0] - 1, targets.shape[1]
     nll, *saved = ctc_logits_forward_triton(logits, cu_seqlens, targets, target_lengths, blank,
-                                            *_configs(B, logits.shape[1], U))
+                                            *_configs(B, logits.shape[1], U), _LOGITS_CHECKS.codes)
     return _loss_outputs(nll, saved, target_lengths, reduction, zero_infinity, U)
 
 
@@ -179,10 +185,11 @@ def _ctc_linear_loss(
     chunk_frames: int,
 ) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """``(loss, nll, lse, state, labels, slots, run_starts)``, as ``ctc_loss_from_logits``
-    of ``hidden @ weight.T + bias``, ``chunk_frames`` frames of logits at a time."""
+    of ``hidden @ weight.T + bias``, ``chunk_frames`` frames of logits at a time. Values
+    are checked as ``linear_packed_ctc_loss``'s (:data:`_LINEAR_CHECKS`)."""
     B, U = cu_seqlens.shape[0] - 1, targets.shape[1]
     nll, *saved = ctc_linear_forward_triton(hidden, weight, bias, cu_seqlens, targets, target_lengths, blank,
-                                            chunk_frames, *_configs(B, weight.shape[0], U))
+                                            chunk_frames, *_configs(B, weight.shape[0], U), _LINEAR_CHECKS.codes)
     return _loss_outputs(nll, saved, target_lengths, reduction, zero_infinity, U)
 
 
@@ -254,16 +261,6 @@ _ctc_linear_loss.register_autograd(_backward_linear, setup_context=_setup_linear
 # the public functions
 
 
-def _run_checked(loss_of, copies, T_total: int, C: int, U: int, rows: str):
-    """``loss_of()`` with the value checks: before it on the CPU, while its kernels run on a GPU."""
-    if copies is not None and copies.done is None:
-        _check_values(copies, T_total, C, U, rows)
-    loss = loss_of()
-    if copies is not None and copies.done is not None:
-        _check_values(copies, T_total, C, U, rows)
-    return loss
-
-
 def packed_ctc_loss_from_logits(
     logits: Tensor,
     cu_seqlens: Tensor,
@@ -277,7 +274,10 @@ def packed_ctc_loss_from_logits(
     """CTC loss of ``logits.log_softmax(-1)``, the normaliser computed inside.
 
     The same loss as ``packed_ctc_loss(logits.log_softmax(-1), ...)``, with the same
-    arguments, conventions and checks (see :func:`packed_ctc_loss`), but no
+    arguments, conventions and checks (see :func:`packed_ctc_loss`: the values of
+    ``cu_seqlens``, ``target_lengths`` and ``targets`` are checked on the device, and a
+    violation is raised within the call for CPU tensors and in strict mode, otherwise by a
+    later call into the package or :func:`~packed_kernels.check_errors`), but no
     ``(T_total, C)`` log-probabilities are formed or kept: the forward reads each row of
     logits once, for its log-sum-exp ``lse[t]`` and its ``U + 1`` label columns, and the
     backward writes the gradient of the logits in one pass over the rows::
@@ -318,21 +318,20 @@ def packed_ctc_loss_from_logits(
         >>> logits.grad.shape
         torch.Size([8, 4])
     """
+    validation.raise_reported()
     blank = _check_arguments(logits, cu_seqlens, targets, target_lengths, blank, reduction, zero_infinity,
                              name="logits")
     cu_seqlens, target_lengths = cu_seqlens.contiguous(), target_lengths.contiguous()
-    copies = None if is_traced(logits, cu_seqlens, targets, target_lengths) else _HostCopies(
-        cu_seqlens, target_lengths, targets)
-    (T_total, C), U = logits.shape, targets.shape[1]
+    traced = is_traced(logits, cu_seqlens, targets, target_lengths)
     if not runtime.on_kernel_device(logits):
-        if copies is not None:
-            _check_values(copies, T_total, C, U, "logits")
+        longest = _padded_length(_LOGITS_CHECKS, traced, logits.shape, cu_seqlens, targets, target_lengths)
         log_probs = logits.to(compute_dtype(logits.dtype)).log_softmax(-1)
         return _padded_stage_loss(log_probs, cu_seqlens, targets, target_lengths, blank, reduction,
-                                  zero_infinity, _longest_utterance(copies, T_total))
-    return _run_checked(lambda: _ctc_loss_from_logits(logits, cu_seqlens, targets, target_lengths, blank,
-                                                      reduction, zero_infinity)[0],
-                        copies, T_total, C, U, "logits")
+                                  zero_infinity, longest)
+    loss = _ctc_loss_from_logits(logits, cu_seqlens, targets, target_lengths, blank, reduction, zero_infinity)[0]
+    if not traced:
+        validation.values_checked(logits.device)
+    return loss
 
 
 def _check_linear(hidden, weight, bias) -> None:
@@ -411,9 +410,12 @@ def linear_packed_ctc_loss(
         ``torch.autocast`` the inputs are cast as ``F.linear`` casts them, and the loss
         is computed in float32.
 
-    Tensors the kernels do not take (CPU tensors on a machine whose kernels are compiled
-    for a GPU) are computed as ``F.linear``, ``log_softmax`` and the padded PyTorch stage:
-    the same loss and gradients, with the logits held.
+    Values are checked as :func:`packed_ctc_loss` checks them (on the device; a violation
+    raised within the call for CPU tensors and in strict mode, otherwise by a later call
+    into the package or :func:`~packed_kernels.check_errors`). Tensors the kernels do not
+    take (CPU tensors on a machine whose kernels are compiled for a GPU) are computed as
+    ``F.linear``, ``log_softmax`` and the padded PyTorch stage: the same loss and
+    gradients, with the logits held.
 
     Example:
         >>> import torch
@@ -427,6 +429,7 @@ def linear_packed_ctc_loss(
         >>> hidden.grad.shape, head.weight.grad.shape, head.bias.grad.shape
         (torch.Size([8, 16]), torch.Size([5, 16]), torch.Size([5]))
     """
+    validation.raise_reported()
     _check_linear(hidden, weight, bias)
     tensors = dict(hidden=hidden, weight=weight) if bias is None else dict(hidden=hidden, weight=weight, bias=bias)
     blank = _check_batch(cu_seqlens, targets, target_lengths, blank, reduction, zero_infinity,
@@ -437,18 +440,18 @@ def linear_packed_ctc_loss(
             raise ValueError(f"chunk_frames must be >= 1; got {chunk_frames}")
     hidden, weight, bias = _linear_inputs(hidden, weight, bias)
     cu_seqlens, target_lengths = cu_seqlens.contiguous(), target_lengths.contiguous()
-    copies = None if is_traced(hidden, weight, bias, cu_seqlens, targets, target_lengths) else _HostCopies(
-        cu_seqlens, target_lengths, targets)
-    T_total, C, U = hidden.shape[0], weight.shape[0], targets.shape[1]
+    traced = is_traced(hidden, weight, bias, cu_seqlens, targets, target_lengths)
+    T_total, C = hidden.shape[0], weight.shape[0]
     if not runtime.on_kernel_device(hidden):
-        if copies is not None:
-            _check_values(copies, T_total, C, U, "hidden")
+        longest = _padded_length(_LINEAR_CHECKS, traced, (T_total, C), cu_seqlens, targets, target_lengths)
         with torch.autocast(hidden.device.type, enabled=False):
             log_probs = F.linear(hidden, weight, bias).to(compute_dtype(hidden.dtype)).log_softmax(-1)
         return _padded_stage_loss(log_probs, cu_seqlens, targets, target_lengths, blank, reduction,
-                                  zero_infinity, _longest_utterance(copies, T_total))
+                                  zero_infinity, longest)
     if chunk_frames is None:
         chunk_frames = linear_chunk_frames(C)
-    return _run_checked(lambda: _ctc_linear_loss(hidden, weight, bias, cu_seqlens, targets, target_lengths, blank,
-                                                 reduction, zero_infinity, chunk_frames)[0],
-                        copies, T_total, C, U, "hidden")
+    loss = _ctc_linear_loss(hidden, weight, bias, cu_seqlens, targets, target_lengths, blank, reduction,
+                            zero_infinity, chunk_frames)[0]
+    if not traced:
+        validation.values_checked(hidden.device)
+    return loss

@@ -4,12 +4,14 @@ Two steps, one after the other:
 
 1. The forward (:func:`ctc_forward_triton`): :func:`ctc_label_groups_kernel`, grid
    ``(B,)``, sorts each utterance's target ids so that the gradient pass can sum
-   repeated classes in a fixed order; then :func:`ctc_alpha_beta_pairs_kernel`, grid
-   ``(B, 2)``: for each utterance, program ``(b, 0)`` runs the ``alpha`` recursion
-   forward in time while program ``(b, 1)`` runs the ``beta`` recursion backward in
-   time; each stores its state for every frame in a packed ``(T_total, 2U + 1)``
-   buffer, one row per packed frame, and the ``alpha`` program writes the utterance's
-   loss.
+   repeated classes in a fixed order, and checks the values of ``cu_seqlens``,
+   ``target_lengths`` and ``targets`` on the way (:data:`CHECK_NAMES`; a violation goes
+   to the error word of :mod:`packed_kernels.validation`); then
+   :func:`ctc_alpha_beta_pairs_kernel`, grid ``(B, 2)``: for each utterance, program
+   ``(b, 0)`` runs the ``alpha`` recursion forward in time while program ``(b, 1)``
+   runs the ``beta`` recursion backward in time; each stores its state for every frame
+   in a packed ``(T_total, 2U + 1)`` buffer, one row per packed frame, and the
+   ``alpha`` program writes the utterance's loss.
 2. The gradient (:func:`ctc_backward_triton`): :func:`ctc_gradient_kernel`, grid
    ``(cdiv(T_total, ROWS),)``: fully parallel over packed rows. Every packed row belongs
    to exactly one utterance, so each program writes its own gradient rows once, with no
@@ -32,7 +34,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from typing import Optional, Tuple
+from typing import Optional, Sequence, Tuple
 
 import numpy as np
 import torch
@@ -40,8 +42,10 @@ import triton
 import triton.language as tl
 
 from ... import runtime
+from ...validation import error_word, report_violation
 
 __all__ = [
+    "CHECK_NAMES",
     "CTCForwardConfig",
     "CTCGradientConfig",
     "REDUCTION_CODES",
@@ -71,6 +75,11 @@ REDUCTION_SUM = tl.constexpr(1)
 REDUCTION_MEAN = tl.constexpr(2)
 #: The ``reduction`` argument of the public function, as the kernel's constant.
 REDUCTION_CODES = {"none": REDUCTION_NONE.value, "sum": REDUCTION_SUM.value, "mean": REDUCTION_MEAN.value}
+#: The value checks of :func:`ctc_label_groups_kernel`, in the order the forward launchers
+#: take their codes (``checks``): ``cu_seqlens`` starts at 0, is non-decreasing and ends
+#: at ``T_total``; each target length lies in ``[0, U]``; each target id within its
+#: target length lies in ``[0, C)``.
+CHECK_NAMES = ("cu_seqlens_start", "cu_seqlens_order", "cu_seqlens_end", "target_lengths", "targets")
 
 
 @triton.jit
@@ -383,13 +392,16 @@ def ctc_gradient_kernel(
 @triton.jit
 def ctc_label_groups_kernel(
     targets_ptr, stride_tg_b, stride_tg_u,
-    target_lengths_ptr,
+    target_lengths_ptr, cu_seqlens_ptr,
     labels_ptr, slots_ptr, run_starts_ptr, stride_groups,
-    C, U, blank,
+    B, T_total, C, U, blank,
+    word_ptr, start_code, order_code, end_code, length_code, id_code,
+    CHECK: tl.constexpr,
     BLOCK_K: tl.constexpr,
     BLOCK_J: tl.constexpr,
 ):
-    """Sort one utterance's label slots by class, for the gradient pass; grid ``(B,)``.
+    """Sort one utterance's label slots by class, for the gradient pass, and check the
+    values of the batch description; grid ``(max(B, 1),)``.
 
     The list has ``U + 1`` slots: slot ``k < L`` holds target id ``l_{k+1}``, slots
     ``L <= k < U`` are unused (key ``C``, so they sort last) and slot ``U`` stands for all
@@ -400,18 +412,44 @@ def ctc_label_groups_kernel(
 
     and writes ``labels[rank] = key``, ``slots[rank] = k``, ``run_starts[rank] = start``.
     The comparisons are done ``BLOCK_J`` slots at a time against all ``BLOCK_K``.
+
+    With ``CHECK``, program ``b < B`` reports (:func:`~packed_kernels.validation.report_violation`
+    into the error word at ``word_ptr``) ``order_code`` at entry ``b + 1`` where
+    ``cu_seqlens[b + 1] < cu_seqlens[b]``, ``length_code`` at utterance ``b`` where
+    ``target_lengths[b]`` lies outside ``[0, U]``, and ``id_code`` at utterance ``b``
+    where one of its first ``L`` ids lies outside ``[0, C)``; program 0 also reports
+    ``start_code`` at entry 0 where ``cu_seqlens[0] != 0`` and ``end_code`` at entry ``B``
+    where ``cu_seqlens[B] != T_total``. Every value is compared in its own dtype, before
+    the clamps, so an int64 value beyond int32 is refused rather than wrapped. With
+    ``B = 0`` the one program checks ``cu_seqlens`` and writes nothing else.
     """
     b = tl.program_id(0)
-    L = _clamp_index(tl.load(target_lengths_ptr + b), 0, U)
+    valid = b < B
+    length = tl.load(target_lengths_ptr + b, mask=valid, other=0)
+    L = _clamp_index(length, 0, U)
     target_row = targets_ptr + b.to(tl.int64) * stride_tg_b
     k = tl.arange(0, BLOCK_K)
-    in_list = k < U + 1
-    key = _clamp_index(tl.load(target_row + k * stride_tg_u, mask=k < L, other=0), 0, C - 1)
+    # (a scalar condition joins a lane mask through tl.where, as in the recursion's masks)
+    in_list = tl.where(valid, k < U + 1, False)
+    ids = tl.load(target_row + k * stride_tg_u, mask=k < L, other=0)
+    key = _clamp_index(ids, 0, C - 1)
     key = tl.where(k < L, key, tl.where(k == U, blank, C))
+    if CHECK:
+        utterance = tl.zeros((BLOCK_K,), dtype=tl.int64) + b
+        first = k == 0
+        start = tl.load(cu_seqlens_ptr + b)
+        end = tl.load(cu_seqlens_ptr + b + 1, mask=valid, other=0)
+        last = tl.load(cu_seqlens_ptr + B)
+        # (a program's later report overwrites its earlier one)
+        report_violation(word_ptr, id_code, (k < L) & ((ids < 0) | (ids >= C)), utterance)
+        report_violation(word_ptr, length_code, first & valid & ((length < 0) | (length > U)), utterance)
+        report_violation(word_ptr, order_code, first & valid & (end < start), utterance + 1)
+        report_violation(word_ptr, end_code, first & (b == 0) & (last != T_total), utterance * 0 + B)
+        report_violation(word_ptr, start_code, first & (b == 0) & (start != 0), utterance * 0)
     smaller = tl.zeros((BLOCK_K,), dtype=tl.int32)
     equal_before = tl.zeros((BLOCK_K,), dtype=tl.int32)
-    for first in range(0, U + 1, BLOCK_J):
-        j = first + tl.arange(0, BLOCK_J)
+    for first_j in range(0, U + 1, BLOCK_J):
+        j = first_j + tl.arange(0, BLOCK_J)
         other = _clamp_index(tl.load(target_row + j * stride_tg_u, mask=j < L, other=0), 0, C - 1)
         other = tl.where(j < L, other, tl.where(j == U, blank, C))
         counted = (j < U + 1)[None, :]
@@ -423,7 +461,6 @@ def ctc_label_groups_kernel(
     tl.store(labels_ptr + out, key, mask=in_list)
     tl.store(slots_ptr + out, k, mask=in_list)
     tl.store(run_starts_ptr + out, smaller, mask=in_list)
-
 
 
 @triton.jit
@@ -611,18 +648,26 @@ def ctc_forward_config(U: int) -> CTCForwardConfig:
     )
 
 
-def _label_groups(targets, target_lengths, C: int, blank: int, config: CTCForwardConfig):
+def _label_groups(targets, target_lengths, C: int, blank: int, config: CTCForwardConfig, cu_seqlens=None,
+                  T_total: int = 0, checks: Optional[Sequence[int]] = None):
     """Each utterance's label slots sorted by class (see :func:`ctc_label_groups_kernel`):
-    ``(labels, slots, run_starts)``, each int32 ``(B, U + 1)``."""
+    ``(labels, slots, run_starts)``, each int32 ``(B, U + 1)``. With ``checks`` (the codes
+    of :data:`CHECK_NAMES`, in that order), the same launch checks ``cu_seqlens`` (against
+    ``T_total`` rows), ``target_lengths`` and ``targets`` on the device; it then runs for
+    ``B = 0`` too, with one program."""
     B, U = targets.shape
     labels, slots, run_starts = (torch.empty((B, U + 1), dtype=torch.int32, device=targets.device)
                                  for _ in range(3))
-    if B:
-        ctc_label_groups_kernel[(B,)](
+    if B or checks is not None:
+        check = checks is not None
+        codes = tuple(checks) if check else (0,) * len(CHECK_NAMES)
+        ctc_label_groups_kernel[(max(B, 1),)](
             targets, targets.stride(0), targets.stride(1),
-            target_lengths,
+            target_lengths, cu_seqlens if check else target_lengths,
             labels, slots, run_starts, labels.stride(0),
-            C, U, blank,
+            B, T_total, C, U, blank,
+            error_word(targets.device), *codes,
+            CHECK=check,
             BLOCK_K=config.block_labels,
             BLOCK_J=config.sort_block,
             num_warps=config.sort_num_warps,
@@ -655,16 +700,19 @@ def _alpha_beta(log_probs, cu_seqlens, targets, target_lengths, blank: int, U: i
 
 
 @runtime.on_inputs_device
-def ctc_forward_triton(log_probs, cu_seqlens, targets, target_lengths, blank: int, config: CTCForwardConfig):
+def ctc_forward_triton(log_probs, cu_seqlens, targets, target_lengths, blank: int, config: CTCForwardConfig,
+                       checks: Optional[Sequence[int]] = None):
     """Per-utterance losses ``nll`` (B,), the ``(2, T_total, 2U + 1)`` alpha/beta state
     (``-inf`` beyond each target's ``2L + 1`` states) and the sorted label slots
     ``(labels, slots, run_starts)``, each int32 ``(B, U + 1)``.
 
     ``cu_seqlens`` and ``target_lengths`` must be contiguous; ``log_probs`` and
-    ``targets`` may have any strides.
+    ``targets`` may have any strides. ``checks``: the codes of the value checks
+    (:data:`CHECK_NAMES`) that the label sort makes on the way, or ``None`` for none.
     """
     with _kernel_numerics():
-        groups = _label_groups(targets, target_lengths, log_probs.shape[1], blank, config)
+        groups = _label_groups(targets, target_lengths, log_probs.shape[1], blank, config, cu_seqlens,
+                               log_probs.shape[0], checks)
         nll, state = _alpha_beta(log_probs, cu_seqlens, targets, target_lengths, blank, targets.shape[1], config)
     return (nll, state, *groups)
 
@@ -799,10 +847,12 @@ def _recursion_over_gathered(gathered, cu_seqlens, target_lengths, groups, confi
 
 @runtime.on_inputs_device
 def ctc_logits_forward_triton(logits, cu_seqlens, targets, target_lengths, blank: int,
-                              forward_config: CTCForwardConfig, rows_config: CTCGradientConfig):
+                              forward_config: CTCForwardConfig, rows_config: CTCGradientConfig,
+                              checks: Optional[Sequence[int]] = None):
     """The loss of ``log_softmax(logits)``: ``(nll, lse, state, labels, slots, run_starts)``.
 
-    As :func:`ctc_forward_triton`, plus ``lse`` (T_total,), each frame's log-sum-exp.
+    As :func:`ctc_forward_triton` (``checks`` too), plus ``lse`` (T_total,), each frame's
+    log-sum-exp.
     The ``(T_total, U + 1)`` gathered log-probabilities the recursion reads are freed on
     return: what the gradient needs is ``logits``, ``lse`` and the state.
     """
@@ -812,7 +862,7 @@ def ctc_logits_forward_triton(logits, cu_seqlens, targets, target_lengths, blank
     lse = torch.empty(T_total, dtype=dtype, device=logits.device)
     gathered = torch.empty((T_total, U + 1), dtype=dtype, device=logits.device)
     with _kernel_numerics():
-        groups = _label_groups(targets, target_lengths, C, blank, forward_config)
+        groups = _label_groups(targets, target_lengths, C, blank, forward_config, cu_seqlens, T_total, checks)
         _normalise_rows(logits, 0, cu_seqlens, targets, lse, gathered, blank, rows_config)
         nll, state = _recursion_over_gathered(gathered, cu_seqlens, target_lengths, groups, forward_config)
     return (nll, lse, state, *groups)
@@ -832,9 +882,9 @@ def _chunk_starts(T_total: int, chunk_frames: int):
 @runtime.on_inputs_device
 def ctc_linear_forward_triton(hidden, weight, bias, cu_seqlens, targets, target_lengths, blank: int,
                               chunk_frames: int, forward_config: CTCForwardConfig,
-                              rows_config: CTCGradientConfig):
+                              rows_config: CTCGradientConfig, checks: Optional[Sequence[int]] = None):
     """The loss of ``log_softmax(hidden @ weight.T + bias)``, ``chunk_frames`` rows of logits
-    at a time: the outputs of :func:`ctc_logits_forward_triton`.
+    at a time: the outputs of :func:`ctc_logits_forward_triton` (which ``checks`` it makes too).
 
     Each chunk's logits go into one reused ``(chunk_frames, C)`` buffer, are reduced to
     their rows of ``lse`` and of the gathered label log-probabilities, and are overwritten
@@ -849,7 +899,7 @@ def ctc_linear_forward_triton(hidden, weight, bias, cu_seqlens, targets, target_
     gathered = torch.empty((T_total, U + 1), dtype=dtype, device=hidden.device)
     buffer = hidden.new_empty((min(chunk_frames, T_total), C))
     with _kernel_numerics(), torch.autocast(hidden.device.type, enabled=False):
-        groups = _label_groups(targets, target_lengths, C, blank, forward_config)
+        groups = _label_groups(targets, target_lengths, C, blank, forward_config, cu_seqlens, T_total, checks)
         for start in _chunk_starts(T_total, chunk_frames):
             rows = hidden[start:start + chunk_frames]
             logits = _project(rows, weight, bias, buffer[:rows.shape[0]])
