@@ -285,6 +285,8 @@ def simulate_h200() -> List[str]:
                     source = inspect.getsource(value)
                 except (OSError, TypeError):
                     continue
+                if module.__name__.endswith(".validation"):
+                    continue  # the error word: host memory either way, the CPU one here
                 if _takes_device(value) and _CUDA_TYPE_TEST.search(source):
                     replaced[id(value)] = wrapper = _with_cuda_device(value)
                     setattr(module, attr, wrapper)
