@@ -10,8 +10,14 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from packed_kernels import Packed, PersistentLSTM, pack, unpack
-from packed_kernels.ops.lstm.api import _config_as_ints, _config_from_ints, lstm_recurrence_op
+from packed_kernels import Packed, PersistentLSTM, check_errors, pack, unpack
+from packed_kernels.ops.lstm.api import (
+    _config_as_ints,
+    _config_from_ints,
+    lstm_checked_lengths_op,
+    lstm_checked_packed_op,
+    lstm_recurrence_op,
+)
 from packed_kernels.ops.lstm.naive_numpy import lstm_layer_numpy
 from packed_kernels.ops.lstm.padded_torch import lstm_padded, lstm_weights
 from packed_kernels.ops.lstm.triton_kernels import RecurrenceConfig, RecurrentProduct, StepWait, choose_config
@@ -233,6 +239,35 @@ def test_recurrence_op_passes_opcheck(device):
     torch.library.opcheck(lstm_recurrence_op.custom_op,
                           (xw, w_hh, w_hh_t, h0, c0, row_start, lengths, 1, True, config))
 
+
+
+def test_value_check_ops_pass_opcheck(device):
+    """``torch.library.opcheck`` on the custom ops that check and clamp the lengths and
+    offsets (valid values: nothing to report)."""
+    lengths = torch.tensor([4, 0, 2], device=device)
+    torch.library.opcheck(lstm_checked_lengths_op.custom_op, (lengths, 4))
+    cu_seqlens = torch.tensor([0, 4, 4, 6], dtype=torch.int32, device=device)
+    torch.library.opcheck(lstm_checked_packed_op.custom_op, (cu_seqlens, lengths, 6))
+
+
+def test_traced_calls_check_values_in_the_graph(device):
+    """A traced call checks the values where the traced graph runs: the check ops are in
+    make_fx's graph, and running it on bad values reports them."""
+    model = PersistentLSTM.from_torch(make_lstm(3, 5, 1, True, device=device))
+    x = torch.randn(2, 4, 3, device=device)
+    with torch.no_grad():
+        padded = make_fx(lambda x, lengths: model(x, lengths=lengths))(x, torch.tensor([4, 2], device=device))
+        packed = make_fx(lambda *p: model(Packed(*p)))(*pack(x, torch.tensor([4, 2])))
+        for graph, op in ((padded.graph, torch.ops.packed_kernels.lstm_checked_lengths.default),
+                          (packed.graph, torch.ops.packed_kernels.lstm_checked_packed.default)):
+            assert sum(node.target is op for node in graph.nodes) == 1
+        with pytest.raises(ValueError, match="^PersistentLSTM: lengths must lie in"):
+            padded(x, torch.tensor([5, 2], device=device))
+            check_errors()
+        data, cu_seqlens, lengths = pack(x, torch.tensor([4, 2]))
+        with pytest.raises(ValueError, match="^PersistentLSTM: packed.lengths must be >= 0"):
+            packed(data, cu_seqlens, torch.tensor([7, -1], device=device))
+            check_errors()
 
 
 def test_config_survives_the_custom_op_schema():

@@ -1,13 +1,16 @@
-"""PersistentLSTM's bad inputs, one table for building it and one for calling it: each row
-the exception, the argument its message must name and what the message says was
-expected, on the kernels' path (no grad) and on nn.LSTM's (a gradient needed)."""
+"""PersistentLSTM's bad inputs, one table for building it, one for calling it with wrong
+types, shapes or devices and one for values checked on the device: each row the
+exception, the argument its message must name and what the message says was expected,
+on the kernels' path (no grad) and on nn.LSTM's (a gradient needed)."""
 import re
 
 import pytest
 import torch
 from torch.nn.utils.rnn import pack_padded_sequence
 
+import packed_kernels as pk
 from packed_kernels import Packed, PersistentLSTM, pack
+from packed_kernels.ops.lstm.api import lstm_checked_lengths_op, lstm_checked_packed_op
 from packed_kernels.ops.lstm.triton_kernels import RecurrenceConfig, RecurrentProduct, StepWait
 
 from lstm_cases import make_lstm
@@ -173,15 +176,11 @@ BAD_CALLS = [
     ("hx-tensor", lambda d: {"hx": torch.zeros(4, 2, 8, device=d)}, TypeError, "hx", r"must be a tuple \(h0, c0\)"),
     ("hx-one", lambda d: {"hx": (torch.zeros(4, 2, 8, device=d),)}, TypeError, "hx", "must be a tuple"),
     ("hx-three", lambda d: {"hx": (torch.zeros(4, 2, 8, device=d),) * 3}, TypeError, "hx", "got tuple"),
-    ("lengths-above-T", _lengths([5, 2]), ValueError, "lengths", r"must lie in \[0, T=4\]; got min 2, max 5"),
-    ("lengths-negative", _lengths([-1, 2]), ValueError, "lengths", r"must lie in \[0, T=4\]; got min -1"),
     ("lengths-count", _lengths([4, 2, 1]), ValueError, "lengths", r"must have shape \(2,\)"),
     ("lengths-2d", _lengths([[4, 2]]), ValueError, "lengths", r"must have shape \(2,\) .*; got \(1, 2\)"),
     ("lengths-float", _lengths([4.0, 2.0]), TypeError, "lengths", "must be int32 or int64"),
     ("lengths-unbatched", lambda d: {"input": torch.randn(4, 3, device=d), "lengths": torch.tensor([4])},
      ValueError, "lengths", "needs a batched input"),
-    ("packed-cu_seqlens", _packed(cu_seqlens=lambda p: p.cu_seqlens.flip(0)), ValueError, "packed.cu_seqlens",
-     r"must be \[0, cumsum\(packed.lengths\)\]"),
     ("packed-cu_seqlens-shape", _packed(cu_seqlens=lambda p: p.cu_seqlens[:-1]), ValueError, "packed.cu_seqlens",
      r"must have shape \(B \+ 1,\) = \(3,\)"),
     ("packed-cu_seqlens-float", _packed(cu_seqlens=lambda p: p.cu_seqlens.float()), TypeError, "packed.cu_seqlens",
@@ -190,12 +189,6 @@ BAD_CALLS = [
      "packed.cu_seqlens", "must be on packed.data's device"),
     ("packed-lengths-device", _packed(lengths=lambda p: p.lengths.to("meta")), ValueError, "packed.lengths",
      "must be on packed.data's device"),
-    ("packed-rows", _packed(data=lambda p: p.data[:-1]), ValueError, "packed.data",
-     "has 5 rows but packed.lengths sum to 6"),
-    ("packed-extra-rows", _packed(data=lambda p: torch.cat([p.data, p.data[:1]])), ValueError, "packed.data",
-     "has 7 rows but packed.lengths sum to 6"),
-    ("packed-negative", _packed(lengths=lambda p: torch.tensor([7, -1], device=p.data.device)), ValueError,
-     "packed.lengths", "must be >= 0; got min -1"),
     ("packed-float-lengths", _packed(lengths=lambda p: p.lengths.float()), TypeError, "packed.lengths",
      "must be int32 or int64"),
     ("packed-data-float64", _packed(data=lambda p: p.data.double()), TypeError, "packed.data", "must be float32"),
@@ -205,6 +198,8 @@ BAD_CALLS = [
      ValueError, "h0", "must be on packed.data's device"),
     ("packed-with-lengths", lambda d: {**_packed()(d), "lengths": torch.tensor([4, 2])}, ValueError, "lengths",
      "must not be given with a Packed input"),
+    ("packed-rows-without-sequences", _packed(cu_seqlens=lambda p: p.cu_seqlens[:1], lengths=lambda p: p.lengths[:0]),
+     ValueError, "packed.data", "has 6 rows but packed.lengths is empty"),
     ("sequence-float64", lambda d: {"input": pack_padded_sequence(torch.randn(2, 4, 3, device=d).double(), [4, 2],
                                                                   batch_first=True)},
      TypeError, "input.data", "must be float32"),
@@ -230,6 +225,113 @@ def test_bad_calls_are_refused_naming_the_argument(device, grad, make, error, ar
     kwargs = {"lengths": arguments.pop("lengths")} if "lengths" in arguments else {}
     with torch.set_grad_enabled(grad):
         assert_refused(error, argument, expected, lambda: model(arguments["input"], arguments.get("hx"), **kwargs))
+
+
+# ----------------------------------------------------------------------------------------
+# Values checked on the device: reported within the call for CPU tensors and in strict
+# mode, else by the next call or check_errors()
+
+_IN_RANGE = r"must lie in \[0, T\] \(T: the input's time steps\), which fails at sequence "
+_OFFSETS = r"must be \[0, cumsum\(packed.lengths\)\] \(a Packed from pack\(\)\), which fails at entry "
+_ROWS = "must sum to the rows of packed.data, which fails at sequence "
+
+
+def _cu_seqlens(values):
+    return lambda p: torch.tensor(values, dtype=p.cu_seqlens.dtype, device=p.data.device)
+
+
+def _packed_lengths(values):
+    return lambda p: torch.tensor(values, dtype=p.lengths.dtype, device=p.data.device)
+
+
+#: (id, arguments from the device, argument named, the rest of the message as a pattern);
+#: the batch of _packed() has lengths [4, 2], cu_seqlens [0, 4, 6] and 6 rows
+BAD_VALUES = [
+    ("lengths-above-T", _lengths([5, 2]), "lengths", _IN_RANGE + "0$"),
+    ("lengths-negative", _lengths([4, -1]), "lengths", _IN_RANGE + "1$"),
+    ("lengths-huge", _lengths([2, 2 ** 40]), "lengths", _IN_RANGE + "1$"),
+    ("lengths-int32-on-device", lambda d: {"lengths": torch.tensor([3, 9], dtype=torch.int32, device=d)}, "lengths",
+     _IN_RANGE + "1$"),
+    ("lengths-list", lambda d: {"lengths": [4, 5]}, "lengths", _IN_RANGE + "1$"),
+    ("packed-cu_seqlens-reversed", _packed(cu_seqlens=lambda p: p.cu_seqlens.flip(0)), "packed.cu_seqlens",
+     _OFFSETS + "0$"),
+    ("packed-cu_seqlens-shifted", _packed(cu_seqlens=_cu_seqlens([0, 3, 6])), "packed.cu_seqlens", _OFFSETS + "1$"),
+    ("packed-cu_seqlens-past-rows", _packed(cu_seqlens=_cu_seqlens([0, 100, 6])), "packed.cu_seqlens",
+     _OFFSETS + "1$"),
+    ("packed-cu_seqlens-negative", _packed(cu_seqlens=_cu_seqlens([-5, 4, 6])), "packed.cu_seqlens", _OFFSETS + "0$"),
+    ("packed-cu_seqlens-end", _packed(cu_seqlens=_cu_seqlens([0, 4, 7])), "packed.cu_seqlens", _OFFSETS + "2$"),
+    ("packed-rows", _packed(data=lambda p: p.data[:-1]), "packed.lengths", _ROWS + "1$"),
+    ("packed-rows-first", _packed(data=lambda p: p.data[:3]), "packed.lengths", _ROWS + "0$"),
+    ("packed-extra-rows", _packed(data=lambda p: torch.cat([p.data, p.data[:1]])), "packed.lengths", _ROWS + "1$"),
+    ("packed-negative", _packed(lengths=_packed_lengths([7, -1])), "packed.lengths",
+     "must be >= 0, which fails at sequence 1$"),
+    # negative, and cu_seqlens and the sum wrong too: the lengths themselves are named
+    ("packed-negative-first", _packed(lengths=_packed_lengths([-4, 2])), "packed.lengths",
+     "must be >= 0, which fails at sequence 0$"),
+    ("packed-huge", _packed(lengths=_packed_lengths([2 ** 40, 2])), "packed.cu_seqlens", _OFFSETS + "1$"),
+]
+
+
+@pytest.mark.filterwarnings("ignore:PersistentLSTM")
+@pytest.mark.parametrize("strict", [False, True], ids=["default", "strict"])
+@pytest.mark.parametrize("grad", [False, True], ids=["kernels", "nn.LSTM"])
+@pytest.mark.parametrize("make,argument,expected", [case[1:] for case in BAD_VALUES],
+                         ids=[case[0] for case in BAD_VALUES])
+def test_bad_values_are_reported_naming_the_argument(device, strict, grad, make, argument, expected):
+    """A ValueError naming the function, the argument, the requirement and the first place
+    where it fails, in either mode, on either path; the next call runs."""
+    model = PersistentLSTM.from_torch(make_lstm(3, 8, 2, True, device=device))
+    arguments = {"input": torch.randn(2, 4, 3, device=device), **make(device)}
+    kwargs = {"lengths": arguments.pop("lengths")} if "lengths" in arguments else {}
+    with torch.set_grad_enabled(grad):
+        with pytest.raises(ValueError) as info, pk.strict_checks(strict):
+            model(arguments["input"], arguments.get("hx"), **kwargs)
+            if not strict:
+                pk.check_errors()
+        message = str(info.value)
+        assert message.startswith(f"PersistentLSTM: {argument} "), message
+        assert re.search(expected, message), f"the message does not say {expected!r}: {message}"
+        y, _ = model(torch.randn(2, 4, 3, device=device))
+    assert y.shape == (2, 4, 16)
+
+
+def test_good_values_report_nothing(device):
+    """The limits themselves pass: lengths 0 and T, empty sequences anywhere, no sequence at all."""
+    model = PersistentLSTM.from_torch(make_lstm(3, 8, 2, True, device=device))
+    x = torch.randn(3, 4, 3, device=device)
+    with torch.no_grad(), pk.strict_checks(True):
+        model(x, lengths=torch.tensor([0, 4, 4], device=device))
+        model(pack(x, torch.tensor([0, 4, 0])))
+        model(pack(x[:0], torch.tensor([], dtype=torch.int64)))
+    pk.check_errors()
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_checked_values_stay_inside_the_rows(device, seed):
+    """Whatever the offsets and lengths, the rows the kernels reach (row_start[b] up to
+    row_start[b] + length[b]) lie inside the data, and valid ones come back unchanged; the
+    padded lengths are clamped to [0, T]."""
+    g = torch.Generator().manual_seed(seed)
+    for batch in (1, 3, 8):
+        rows = int(torch.randint(0, 20, (), generator=g))
+        cu_seqlens = torch.randint(-30, 30, (batch + 1,), generator=g).to(device)
+        lengths = torch.randint(-30, 30, (batch,), generator=g).to(device)
+        lengths[0] = 2 ** 40
+        with pytest.raises(ValueError, match="^PersistentLSTM: packed"):
+            row_start, length = lstm_checked_packed_op(cu_seqlens, lengths, rows)
+            pk.check_errors()
+        assert bool((row_start >= 0).all()) and bool((length >= 0).all()), (row_start, length)
+        assert bool((row_start + length <= rows).all()), (row_start, length, rows)
+        padded = lstm_checked_lengths_op(lengths, 7)
+        with pytest.raises(ValueError, match="^PersistentLSTM: lengths"):
+            pk.check_errors()
+        assert bool(((padded >= 0) & (padded <= 7)).all()), padded
+    valid = torch.tensor([3, 0, 5], device=device)
+    cu_seqlens = torch.tensor([0, 3, 3, 8], dtype=torch.int32, device=device)
+    row_start, length = lstm_checked_packed_op(cu_seqlens, valid, 8)
+    assert row_start.tolist() == [0, 3, 3] and length.tolist() == [3, 0, 5]
+    assert lstm_checked_lengths_op(valid, 5).tolist() == [3, 0, 5]
+    pk.check_errors()
 
 
 # ----------------------------------------------------------------------------------------

@@ -1,10 +1,14 @@
 """PersistentLSTM on a CUDA GPU: the cooperative configurations (their programs wait
 for each other, which deadlocks under the interpreter), CUDA graphs, and what a GPU
 machine adds: cuDNN under autograd and autocast, CPU modules beside it."""
+import time
+
 import pytest
 import torch
+from torch.nn.utils.rnn import pack_padded_sequence
 
-from packed_kernels import PersistentLSTM, pack, unpack
+import packed_kernels as pk
+from packed_kernels import Packed, PersistentLSTM, pack, unpack
 from packed_kernels.ops.lstm.triton_kernels import RecurrenceConfig
 
 from assertions import assert_close
@@ -212,6 +216,95 @@ def test_cuda_graph_replay_follows_weights_changed_through_data():
             p.data.mul_(0.5)
         graph.replay()
         assert_outputs_close((y, (h, c)), lstm(x))
+
+
+#: The forms of a call: what to call the model with, from the padded batch and its lengths (CPU).
+CALL_FORMS = {
+    "padded": lambda x, lengths: ((x,), {}),
+    "padded-lengths": lambda x, lengths: ((x,), {"lengths": lengths.cuda()}),
+    "padded-host-lengths": lambda x, lengths: ((x,), {"lengths": lengths}),
+    "packed": lambda x, lengths: ((pack(x, lengths.cuda()),), {}),
+    "packed-sequence": lambda x, lengths: ((pack_padded_sequence(x, lengths, batch_first=True,
+                                                                  enforce_sorted=False),), {}),
+}
+
+
+def _assert_call_matches(form, output, lstm, x, lengths):
+    y, state = output
+    if form == "padded":
+        assert_outputs_close((y, state), lstm(x))
+    elif form == "packed-sequence":
+        ref, ref_state = lstm(pack_padded_sequence(x, lengths, batch_first=True, enforce_sorted=False))
+        assert_outputs_close((y.data, state), (ref.data, ref_state))
+    else:
+        assert_outputs_close((y.data if form == "packed" else pack(y, lengths).data, state),
+                             packed_reference(lstm, x, lengths))
+
+
+@pytest.mark.gpu_only
+@pytest.mark.parametrize("form", list(CALL_FORMS))
+def test_calls_never_wait_for_the_gpu(form):
+    """No form of call synchronises with the GPU (its values are checked on the device):
+    none under sync debug mode "error", and each returns while the GPU still spins on
+    about a second of work queued before it."""
+    lstm = make_lstm(20, 64, 2, True, device="cuda")
+    model = PersistentLSTM.from_torch(lstm)
+    lengths = torch.tensor([25, 7, 1, 12])
+    x = torch.randn(4, 25, 20, device="cuda")
+    args, kwargs = CALL_FORMS[form](x, lengths)
+    with torch.no_grad(), pk.strict_checks(False):
+        model(*args, **kwargs)  # compiles the kernels; allocates the error word and pinned blocks
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            torch.cuda._sleep(2_000_000_000)
+            start = time.perf_counter()
+            output = model(*args, **kwargs)
+            elapsed = time.perf_counter() - start
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        torch.cuda.synchronize()
+        assert elapsed < 0.5, f"the call took {elapsed:.3f} s: it waited for the GPU"
+        _assert_call_matches(form, output, lstm, x, lengths)
+
+
+#: (id, arguments from the padded batch x (4, 25, 20) of lengths [25, 7, 1, 12], the start of the message)
+GPU_BAD_VALUES = [
+    ("lengths-huge", lambda x: ((x,), {"lengths": torch.tensor([25, 2 ** 40, 1, -3], device="cuda")}),
+     "PersistentLSTM: lengths must lie in [0, T]"),
+    ("packed-cu_seqlens-past-rows", lambda x: ((Packed(pack(x, [25, 7, 1, 12]).data,
+                                                      torch.tensor([0, 10 ** 6, -10 ** 6, 33, 45], device="cuda",
+                                                                   dtype=torch.int32),
+                                                      torch.tensor([25, 7, 1, 12], device="cuda")),), {}),
+     "PersistentLSTM: packed.cu_seqlens must be [0, cumsum(packed.lengths)]"),
+    ("packed-lengths-huge", lambda x: ((Packed(pack(x, [25, 7, 1, 12]).data[:40],
+                                              torch.tensor([0, 25, 32, 33, 45], device="cuda", dtype=torch.int32),
+                                              torch.tensor([25, 7, 1, 2 ** 40], device="cuda")),), {}),
+     "PersistentLSTM: packed.cu_seqlens must be [0, cumsum(packed.lengths)]"),
+]
+
+
+@pytest.mark.gpu_only
+@pytest.mark.parametrize("make,message", [case[1:] for case in GPU_BAD_VALUES],
+                         ids=[case[0] for case in GPU_BAD_VALUES])
+def test_bad_values_on_the_gpu_are_reported_without_a_wait(make, message):
+    """Bad values stay inside the tensors (clamped on the device; the CUDA context stays
+    usable) and are reported by check_errors in the default mode, within the call in strict
+    mode; the next call is right."""
+    lstm = make_lstm(20, 64, 2, True, device="cuda")
+    model = PersistentLSTM.from_torch(lstm)
+    x = torch.randn(4, 25, 20, device="cuda")
+    args, kwargs = make(x)
+    with torch.no_grad():
+        with pk.strict_checks(False):
+            model(*args, **kwargs)
+            with pytest.raises(ValueError) as info:
+                pk.check_errors()
+        assert str(info.value).startswith(message), str(info.value)
+        with pytest.raises(ValueError) as info, pk.strict_checks(True):
+            model(*args, **kwargs)
+        assert str(info.value).startswith(message), str(info.value)
+        assert_outputs_close(model(x), lstm(x))
 
 
 @pytest.mark.gpu_only

@@ -6,6 +6,7 @@ import pytest
 import torch
 from torch.nn.utils.rnn import PackedSequence, pack_padded_sequence, pack_sequence, pad_packed_sequence
 
+import packed_kernels as pk
 from packed_kernels import Packed, PersistentLSTM, pack, runtime
 from packed_kernels.ops.lstm.padded_torch import lstm_padded, lstm_weights
 
@@ -379,6 +380,35 @@ def test_cpu_tensors_on_a_gpu_machine_run_nn_lstm(monkeypatch):
     assert_equal_outputs((packed[0].data, packed[1]), (ref_y, ref_state))
     assert_equal_outputs((pack(with_lengths[0], lengths).data, with_lengths[1]), (ref_y, ref_state))
     assert torch.equal(with_lengths[0][1, 2:], torch.zeros(3, 12)), "zeros beyond each length"
+
+
+@pytest.mark.parametrize("strict", [False, True], ids=["default", "strict"])
+@pytest.mark.parametrize("case", ["lengths", "packed-lengths", "packed-cu_seqlens", "packed-rows"])
+def test_cpu_tensors_on_a_gpu_machine_check_values_within_the_call(monkeypatch, case, strict):
+    """CPU tensors where the kernels are compiled for the GPU: nothing is launched, the
+    values are read on the host (which costs no wait) and a violation raised within the
+    call in either mode, before nn.LSTM runs, with the message of the device checks."""
+    lstm = make_lstm(3, 6, 2, True)
+    model = PersistentLSTM.from_torch(lstm)
+    x = torch.randn(3, 5, 3)
+    packed = pack(x, [5, 2, 4])
+    call, message = {
+        "lengths": (lambda: model(x, lengths=torch.tensor([5, 6, 4])),
+                    r"^PersistentLSTM: lengths must lie in \[0, T\] .*, which fails at sequence 1$"),
+        "packed-lengths": (lambda: model(Packed(packed.data, packed.cu_seqlens, torch.tensor([5, -2, 8]))),
+                           "^PersistentLSTM: packed.lengths must be >= 0, which fails at sequence 1$"),
+        "packed-cu_seqlens": (lambda: model(Packed(packed.data, packed.cu_seqlens.flip(0), packed.lengths)),
+                              r"^PersistentLSTM: packed.cu_seqlens must be .*, which fails at entry 0$"),
+        "packed-rows": (lambda: model(Packed(packed.data[:-2], packed.cu_seqlens, packed.lengths)),
+                        "^PersistentLSTM: packed.lengths must sum to the rows of packed.data, which fails at "
+                        "sequence 2$"),
+    }[case]
+    monkeypatch.setattr(runtime, "KERNEL_DEVICE", "cuda")
+    monkeypatch.setattr(runtime, "INTERPRETED", False)
+    with torch.no_grad(), counting_module_calls(lstm) as module_calls, pk.strict_checks(strict):
+        with pytest.raises(ValueError, match=message):
+            call()
+    assert module_calls[0] == 0
 
 
 # ----------------------------------------------------------------------------------------

@@ -5,6 +5,11 @@ gradient, autocast, a tensor off the kernel device) runs the wrapped ``nn.LSTM``
 itself. A traced call (:func:`~packed_kernels.dispatch.is_traced`) runs each layer's
 recurrence as the custom op ``packed_kernels::lstm_recurrence``, which has no gradient
 formula; an eager call launches the kernels directly.
+
+A call on tensors of the kernel device reads no value on the host: shapes, dtypes and
+devices are checked at once, the values of lengths and offsets on the device (the
+policy of :mod:`~packed_kernels.validation`), and the kernels read them clamped so that
+no value can make them read or write out of bounds.
 """
 from __future__ import annotations
 
@@ -19,7 +24,7 @@ from torch import Tensor
 from torch.nn.utils.rnn import PackedSequence
 
 from ... import dispatch, runtime, validation
-from ...packing import Packed, cu_seqlens_from_lengths, pack, unpack
+from ...packing import Packed, pack, unpack
 from .padded_torch import DirectionWeights, lstm_padded, lstm_weights
 from .triton_kernels import (
     MAX_HIDDEN,
@@ -82,6 +87,89 @@ def lstm_recurrence_op(xw: Tensor, w_hh: Tensor, w_hh_t: Tensor, h0: Tensor, c0:
 def _(xw, w_hh, w_hh_t, h0, c0, row_start, lengths, row_step, zero_fill, config):
     num_directions, _, hidden = w_hh.shape
     return xw.new_empty((xw.shape[0], num_directions * hidden)), torch.empty_like(h0), torch.empty_like(c0)
+
+
+# -- values checked on the device ----------------------------------------------------
+
+_LENGTHS_IN_RANGE = validation.value_check(
+    "PersistentLSTM", "lengths", "must lie in [0, T] (T: the input's time steps)", "sequence")
+_PACKED_LENGTHS_NONNEGATIVE = validation.value_check("PersistentLSTM", "packed.lengths", "must be >= 0", "sequence")
+_PACKED_OFFSETS = validation.value_check(
+    "PersistentLSTM", "packed.cu_seqlens", "must be [0, cumsum(packed.lengths)] (a Packed from pack())", "entry")
+# fails at the first sequence whose end passes the rows of packed.data, or at the last one
+# where the lengths sum to fewer rows
+_PACKED_ROWS = validation.value_check("PersistentLSTM", "packed.lengths", "must sum to the rows of packed.data",
+                                      "sequence")
+
+#: report_flags on the GPU of its flags (Triton launches on the current device).
+_report_flags = runtime.on_inputs_device(validation.report_flags)
+
+
+def _lengths_violations(lengths: Tensor, steps: int) -> List[Tuple[validation.ValueCheck, Tensor]]:
+    """The ``(check, flags)`` of a padded call's ``lengths`` (int64 ``(B,)``)."""
+    return [(_LENGTHS_IN_RANGE, (lengths < 0) | (lengths > steps))]
+
+
+def _packed_violations(cu_seqlens: Tensor, lengths: Tensor, rows: int) -> List[Tuple[validation.ValueCheck, Tensor]]:
+    """The ``(check, flags)`` of a :class:`Packed` batch's offsets and lengths (int64,
+    ``(B + 1,)`` and ``(B,)``, ``B >= 1`` or ``rows == 0``) for ``rows`` rows of data, the
+    check to name first where several fail first."""
+    ends = torch.cumsum(lengths, 0)
+    past = ends > rows
+    past[-1:] |= ends[-1:] != rows
+    offsets = torch.cat([cu_seqlens[:1] != 0, cu_seqlens[1:] != ends])
+    return [(_PACKED_LENGTHS_NONNEGATIVE, lengths < 0), (_PACKED_OFFSETS, offsets), (_PACKED_ROWS, past)]
+
+
+def _report(violations: List[Tuple[validation.ValueCheck, Tensor]], on_host: bool) -> None:
+    """Report ``violations`` (:func:`_lengths_violations`, :func:`_packed_violations`):
+    ``on_host``, raise the first that fails at once (host tensors, which cost nothing to
+    read); else into the error word, without a host read. A report overwrites the word,
+    so the first check is reported last: where several fail, it is the one raised."""
+    if on_host:
+        for check, flags in violations:
+            failing = flags.nonzero()
+            if failing.numel():
+                raise check.error(int(failing[0, 0]))
+    else:
+        for check, flags in reversed(violations):
+            _report_flags(check, flags)
+
+
+@dispatch.operator("lstm_checked_lengths")
+def lstm_checked_lengths_op(lengths: Tensor, steps: int) -> Tensor:
+    """A padded call's ``lengths`` (int64 ``(B,)``) as the kernels read them: clamped to
+    ``[0, steps]``, so that every frame they reach lies in the input, and checked on the
+    device (a violation reported into the error word)."""
+    _report(_lengths_violations(lengths, steps), on_host=False)
+    return lengths.clamp(0, steps)
+
+
+@lstm_checked_lengths_op.register_fake
+def _(lengths, steps):
+    return torch.empty_like(lengths)
+
+
+@dispatch.operator("lstm_checked_packed")
+def lstm_checked_packed_op(cu_seqlens: Tensor, lengths: Tensor, rows: int) -> tuple[Tensor, Tensor]:
+    """A :class:`Packed` batch's ``(row_start, lengths)`` (int64 ``(B,)``) as the kernels
+    read them, for ``rows`` rows of data: each start clamped to ``[0, rows]`` and each
+    length to ``[0, rows - start]``, so that every row they reach lies in the data, and
+    ``cu_seqlens`` and ``lengths`` checked on the device (a violation reported into the
+    error word). Equal to ``(cu_seqlens[:-1], lengths)`` where those are valid."""
+    cu_seqlens, lengths = cu_seqlens.to(torch.int64), lengths.to(torch.int64)
+    _report(_packed_violations(cu_seqlens, lengths, rows), on_host=False)
+    return _clamped_rows(cu_seqlens, lengths, rows)
+
+
+@lstm_checked_packed_op.register_fake
+def _(cu_seqlens, lengths, rows):
+    return lengths.new_empty(lengths.shape, dtype=torch.int64), lengths.new_empty(lengths.shape, dtype=torch.int64)
+
+
+def _clamped_rows(cu_seqlens: Tensor, lengths: Tensor, rows: int) -> Tuple[Tensor, Tensor]:
+    start = cu_seqlens[:-1].clamp(0, rows)
+    return start, torch.minimum(lengths.clamp(min=0), rows - start)
 
 
 class LayerWeights(NamedTuple):
@@ -200,6 +288,20 @@ class PersistentLSTM(torch.nn.Module):
     only acts in training; call ``.eval()``); parameters not all float32, all float16
     or all bfloat16.
 
+    Types, dtypes, shapes and devices are checked on the host, within the call. The
+    values of ``lengths`` (each in ``[0, T]``) and of a ``Packed`` batch
+    (``packed.lengths >= 0``, ``packed.cu_seqlens == [0, cumsum(packed.lengths)]``, the
+    lengths summing to the rows of ``packed.data``) are checked on the device, so that a
+    call on GPU tensors never waits for the GPU; the kernels read them clamped into the
+    input, so bad values give wrong outputs but no access out of bounds. A violation is a
+    ``ValueError`` naming the argument and where it fails (``PersistentLSTM:
+    packed.lengths must be >= 0, which fails at sequence 1``), raised within the call
+    for CPU tensors and in strict mode (:func:`~packed_kernels.strict_checks`), otherwise
+    by a later call into the package or by :func:`~packed_kernels.check_errors`. Where
+    the wrapped ``nn.LSTM`` runs on tensors off the kernel device, they are checked on the
+    host, within the call. A ``PackedSequence`` carries its lengths in ``batch_sizes``,
+    on the host: nothing to check.
+
     Example:
         >>> import torch
         >>> from packed_kernels import PersistentLSTM, pack
@@ -273,14 +375,25 @@ class PersistentLSTM(torch.nn.Module):
                 or a ``PackedSequence``; of the parameters' dtype (outside autocast).
             hx: optional ``(h0, c0)``, each ``(num_layers D, B, H)`` (``(num_layers D,
                 H)`` unbatched) of the parameters' dtype; zeros when ``None``.
-            lengths: optional integer ``(B,)`` for a padded input, each in ``[0, T]``.
+            lengths: optional integer ``(B,)`` for a padded input, each in ``[0, T]``
+                (a host tensor or list goes to the input's GPU without a wait).
 
         Returns:
             ``(output, (h_n, c_n))``: ``output`` has the input's layout with ``D H``
             features (a ``Packed`` or a ``PackedSequence`` for such an input; zeros
             beyond each length for a padded one with ``lengths``); ``h_n``, ``c_n`` are
             ``(num_layers D, B, H)``.
+
+        Raises:
+            TypeError, ValueError: a wrong type, dtype, shape or device, within the call.
+            ValueError: values of ``lengths``, ``packed.lengths`` or
+                ``packed.cu_seqlens`` that break their requirements, checked on the device:
+                within the call for CPU tensors and in strict mode, otherwise by a later
+                call into the package or :func:`~packed_kernels.check_errors` (see
+                :mod:`~packed_kernels.validation`); also a violation that an earlier call
+                reported, at the start of this one.
         """
+        validation.raise_reported()
         lstm = self.lstm
         _check_module(lstm)
         params = list(lstm.parameters())
@@ -302,11 +415,21 @@ class PersistentLSTM(torch.nn.Module):
         batch, steps = x.shape[0], x.shape[1]
         self._check_data("input", x, params)
         state = self._check_state(hx, batch, "input", x, unbatched)
-        traced = dispatch.is_traced(x)
+        traced = dispatch.is_traced(x, lengths)
+        checked_on_device = False
         if lengths is not None:
             if unbatched:
                 raise ValueError("lengths needs a batched input")
-            lengths = _check_lengths(lengths, batch, steps, x.device, traced)
+            lengths, checked_on_device = _check_lengths(lengths, batch, steps, x.device, traced)
+        output = self._forward_padded(input, x, hx, state, lengths, unbatched, traced, params)
+        if checked_on_device and not traced:
+            validation.values_checked(x.device)
+        return output
+
+    def _forward_padded(self, input, x, hx, state, lengths, unbatched, traced, params):
+        """A padded call once its arguments are checked (``lengths``: as the kernels read them)."""
+        lstm = self.lstm
+        batch, steps = x.shape[0], x.shape[1]
         if self._runs_module(x, state, params):
             if lengths is None:
                 return self._run_module(input, None if hx is None else tuple(hx))
@@ -358,42 +481,49 @@ class PersistentLSTM(torch.nn.Module):
         self._check_data("packed.data", data, params)
         validation.check_same_device(**{"packed.data": data, "packed.cu_seqlens": cu_seqlens,
                                         "packed.lengths": lengths})
+        rows = data.shape[0]
+        if batch == 0 and rows:
+            raise ValueError(f"packed.data has {rows} rows but packed.lengths is empty (no sequence to hold them)")
         traced = dispatch.is_traced(data, cu_seqlens, lengths)
-        if not traced:
-            if batch and int(lengths.min()) < 0:
-                raise ValueError(f"packed.lengths must be >= 0; got min {int(lengths.min())}")
-            expected = cu_seqlens_from_lengths(lengths.to(torch.int64)).to(torch.int64)
-            if not torch.equal(cu_seqlens.to(torch.int64), expected):
-                raise ValueError("packed.cu_seqlens must be [0, cumsum(packed.lengths)] (a Packed from pack())")
-            if int(expected[-1]) != data.shape[0]:
-                raise ValueError(
-                    f"packed.data has {data.shape[0]} rows but packed.lengths sum to {int(expected[-1])}"
-                )
         hx = self._check_state(hx, batch, "packed.data", data, False)
+        checked_on_device = runtime.on_kernel_device(data)
+        if checked_on_device:
+            row_start, checked_lengths = lstm_checked_packed_op(cu_seqlens, lengths, rows)
+        elif not traced:
+            _report(_packed_violations(cu_seqlens.to(torch.int64), lengths.to(torch.int64), rows), on_host=True)
         if self._runs_module(data, hx, params):
-            return self._module_on_packed(packed, hx)
-        return self._run_packed_kernels(packed, hx, traced)
+            if checked_on_device:
+                # nn.LSTM reads the rows the kernels would: in the data whatever the values
+                checked = Packed(data, torch.cat([row_start, row_start.new_full((1,), rows)]), checked_lengths)
+            else:
+                checked = packed
+            out, state = self._module_on_packed(checked, hx)
+            y = out.data
+        else:
+            y, state = self._packed_kernels(data, row_start, checked_lengths.to(torch.int32), hx, traced)
+        if checked_on_device and not traced:
+            validation.values_checked(data.device)
+        return Packed(y, cu_seqlens, lengths), state
 
-    def _run_packed_kernels(self, packed: Packed, hx, traced):
-        y, state = self._layers(packed.data, packed.cu_seqlens[:-1].to(torch.int64), 1,
-                                packed.lengths.to(torch.int32), hx, packed.lengths.numel(), traced,
-                                zero_fill=False, sort=True)
-        return Packed(y, packed.cu_seqlens, packed.lengths), state
+    def _packed_kernels(self, data, row_start, lengths32, hx, traced) -> Tuple[Tensor, State]:
+        """The kernels on packed rows: sequence ``b`` is rows ``row_start[b]`` to
+        ``row_start[b] + lengths32[b]`` (each inside ``data``)."""
+        return self._layers(data, row_start, 1, lengths32, hx, lengths32.numel(), traced, zero_fill=False, sort=True)
 
     def _forward_packed_sequence(self, sequence: PackedSequence, hx, params):
         data, batch_sizes = sequence.data, sequence.batch_sizes
         validation.check_rank("input.data", data, 2, "(N, input_size)")
         self._check_data("input.data", data, params)
-        batch = int(batch_sizes[0]) if batch_sizes.numel() else 0
+        batch = int(batch_sizes[0]) if batch_sizes.numel() else 0  # batch_sizes lives on the host
         state = self._check_state(hx, batch, "input.data", data, False)
         if self._runs_module(data, state, params):
             return self._run_module(sequence, None if hx is None else tuple(hx))
-        rows, lengths = _packed_rows(batch_sizes, sequence.sorted_indices, data.device)
-        packed = Packed(data.new_empty(data.shape).index_copy_(0, rows, data), cu_seqlens_from_lengths(lengths),
-                        lengths)
-        out, state = self._run_packed_kernels(packed, state, dispatch.is_traced(data))
-        return PackedSequence(out.data[rows], batch_sizes, sequence.sorted_indices,
-                              sequence.unsorted_indices), state
+        traced = dispatch.is_traced(data)
+        rows, lengths = _packed_rows(batch_sizes, sequence.sorted_indices, data.device, traced)
+        row_start = torch.cumsum(lengths, 0) - lengths
+        out, state = self._packed_kernels(data.new_empty(data.shape).index_copy_(0, rows, data), row_start,
+                                          lengths.to(torch.int32), state, traced)
+        return PackedSequence(out[rows], batch_sizes, sequence.sorted_indices, sequence.unsorted_indices), state
 
     def _layers(self, x_rows, row_start, row_step, lengths32, hx, batch, traced, zero_fill, sort):
         lstm = self.lstm
@@ -510,7 +640,10 @@ class PersistentLSTM(torch.nn.Module):
             y = packed.data.new_empty((0, self.num_directions * lstm.hidden_size))
             return Packed(y, packed.cu_seqlens, lengths), (hx[0].clone(), hx[1].clone())
         kept_lengths = lengths[nonempty]
-        kept = Packed(packed.data, cu_seqlens_from_lengths(kept_lengths), kept_lengths)
+        # the kept sequences' own starts (the cumulative sums of their lengths where the
+        # offsets are valid; inside the data where they were clamped)
+        kept = Packed(packed.data, torch.cat([packed.cu_seqlens[:-1][nonempty], packed.cu_seqlens[-1:]]),
+                      kept_lengths)
         out, (h_kept, c_kept) = self._run_module(kept.to_packed_sequence(), (hx[0][:, nonempty], hx[1][:, nonempty]))
         h_n = hx[0].to(h_kept.dtype).index_copy(1, nonempty, h_kept)
         c_n = hx[1].to(c_kept.dtype).index_copy(1, nonempty, c_kept)
@@ -588,31 +721,46 @@ def _stacklevel_of_caller() -> int:
 def _packed_data(sequence: PackedSequence) -> Tensor:
     """The rows of ``sequence`` in the order of a :class:`Packed` batch (sequence after
     sequence, in their original order); differentiable."""
-    rows, _ = _packed_rows(sequence.batch_sizes, sequence.sorted_indices, sequence.data.device)
-    return sequence.data.new_empty(sequence.data.shape).index_copy(0, rows, sequence.data)
+    data = sequence.data
+    rows, _ = _packed_rows(sequence.batch_sizes, sequence.sorted_indices, data.device, dispatch.is_traced(data))
+    return data.new_empty(data.shape).index_copy(0, rows, data)
 
 
-def _packed_rows(batch_sizes: Tensor, sorted_indices: Optional[Tensor], device) -> Tuple[Tensor, Tensor]:
+def _on_device(t: Tensor, device: torch.device, traced: bool) -> Tensor:
+    """``t`` on ``device``. A host tensor goes to a GPU through pinned memory, without a
+    wait: a copy from pageable memory waits for the work queued on the GPU."""
+    if t.device.type == "cpu" and device.type == "cuda" and not traced:
+        return t.pin_memory().to(device, non_blocking=True)
+    return t.to(device)
+
+
+def _packed_rows(batch_sizes: Tensor, sorted_indices: Optional[Tensor], device, traced: bool) -> Tuple[Tensor, Tensor]:
     """For a ``PackedSequence`` layout (``batch_sizes``, ``sorted_indices``): the row of a
     :class:`Packed` batch of the same sequences (in their original order) that each of
-    its rows holds, and the length of each sequence.
+    its rows holds, and the length of each sequence (int64), both on ``device``.
 
     Row ``r`` of the ``PackedSequence`` is time step ``t`` of the sequence of rank ``k``
     (``k``-th longest), ``sorted_indices[k]``; ties in length are in whatever order
-    ``sorted_indices`` says.
+    ``sorted_indices`` says. What depends on ``batch_sizes`` alone is computed on the host,
+    where a ``PackedSequence`` keeps it, and goes to the device in one copy; the rest is
+    computed there. A sequence that ``sorted_indices`` names no rank of has length 0, so
+    the lengths never sum to more than the rows.
     """
     batch_sizes = batch_sizes.to(torch.int64)
     batch = int(batch_sizes[0]) if batch_sizes.numel() else 0
-    ranks = torch.arange(batch, dtype=torch.int64)
-    sorted_lengths = (batch_sizes[None, :] > ranks[:, None]).sum(1)
-    step_of_row = torch.repeat_interleave(torch.arange(batch_sizes.numel()), batch_sizes)
-    rank_of_row = torch.arange(step_of_row.numel()) - (torch.cumsum(batch_sizes, 0) - batch_sizes)[step_of_row]
+    total = int(batch_sizes.sum())
+    sorted_lengths = (batch_sizes[None, :] > torch.arange(batch)[:, None]).sum(1)
+    step_starts = torch.cumsum(batch_sizes, 0) - batch_sizes  # the first row of each time step
+    on_device = _on_device(torch.cat([sorted_lengths, step_starts]), device, traced)
+    sorted_lengths, step_starts = on_device[:batch], on_device[batch:]
+    row = torch.arange(total, device=device)
+    step_of_row = torch.searchsorted(step_starts, row, right=True) - 1
+    rank_of_row = row - step_starts[step_of_row]
     if sorted_indices is None:
-        sorted_indices = ranks.to(device)
-    lengths = torch.empty(batch, dtype=torch.int64, device=device).index_copy_(
-        0, sorted_indices, sorted_lengths.to(device))
-    starts = cu_seqlens_from_lengths(lengths).to(torch.int64)
-    rows = starts[sorted_indices[rank_of_row.to(device)]] + step_of_row.to(device)
+        sorted_indices = torch.arange(batch, device=device)
+    lengths = torch.zeros(batch, dtype=torch.int64, device=device).index_copy_(0, sorted_indices, sorted_lengths)
+    starts = torch.cumsum(lengths, 0) - lengths
+    rows = starts[sorted_indices[rank_of_row]] + step_of_row
     return rows, lengths
 
 
@@ -637,15 +785,20 @@ def _check_module(lstm) -> None:
                             f"{first.dtype} and {name} of dtype {p.dtype}")
 
 
-def _check_lengths(lengths, batch, steps, device, traced) -> torch.Tensor:
+def _check_lengths(lengths, batch, steps, device, traced) -> Tuple[Tensor, bool]:
+    """A padded call's ``lengths`` as int64 on ``device``, as the kernels read them, and
+    whether their values were checked on the device (:func:`lstm_checked_lengths_op`,
+    which clamps them to ``[0, steps]``; the caller then calls
+    :func:`~packed_kernels.validation.values_checked`). Lengths off the kernel device are
+    checked on the host, at once. The type and shape are checked at once."""
     if not isinstance(lengths, torch.Tensor):
         lengths = torch.as_tensor(lengths)  # a list or an array of ints
     validation.check_index_tensor("lengths", lengths)
     if lengths.shape != (batch,):
         raise ValueError(f"lengths must have shape ({batch},) (one per sequence); got {tuple(lengths.shape)}")
-    lengths = lengths.to(device=device, dtype=torch.int64)
-    if batch and not traced:
-        low, high = int(lengths.min()), int(lengths.max())
-        if low < 0 or high > steps:
-            raise ValueError(f"lengths must lie in [0, T={steps}]; got min {low}, max {high}")
-    return lengths
+    lengths = _on_device(lengths.to(torch.int64), device, traced)
+    if runtime.on_kernel_device(lengths):
+        return lstm_checked_lengths_op(lengths, steps), True
+    if not traced:
+        _report(_lengths_violations(lengths, steps), on_host=True)
+    return lengths, False
