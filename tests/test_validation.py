@@ -94,3 +94,53 @@ def test_checks_let_good_values_through():
     assert check_index_tensor("idx", ints, 2) is ints and check_index_tensor("idx", _F.long()).dtype == torch.int64
     check_rank("x", _F, (2, 3))
     check_same_device(a=_F, b=_F.long(), c=ints)  # dtypes may differ
+
+
+# --- values checked on the device: the one policy ------------------------------------------------
+
+def test_a_reported_violation_is_raised_once_by_the_next_check():
+    from packed_kernels import validation
+
+    check = validation.value_check("some_function", "idx", "must be sorted", "row")
+    assert validation.value_check("some_function", "idx", "must be sorted", "row") is check
+    other = validation.value_check("some_function", "idx", "must lie in [0, S)", "row")
+    assert other.code != check.code and check.code > 0
+    word = validation.error_word(torch.device("cpu"))
+    word[0] = (check.code << validation.POSITION_BITS) | 41
+    with pytest.raises(ValueError, match=re.escape("some_function: idx must be sorted, which fails at row 41")):
+        validation.raise_reported()
+    validation.raise_reported()  # forgotten once raised
+    word[0] = (10 ** 6 << validation.POSITION_BITS) | 3
+    with pytest.raises(ValueError, match="unknown violation"):
+        pk.check_errors()
+    pk.check_errors()
+
+
+def test_report_flags_reports_the_first_flag_set():
+    from packed_kernels import validation
+
+    check = validation.value_check("some_function", "lengths", "must be >= 0", "sequence")
+    validation.report_flags(check, torch.tensor([False, False, False]))
+    pk.check_errors()
+    flags = torch.zeros(3000, dtype=torch.bool)
+    flags[[1700, 2900]] = True  # in the second block of 1024 and the third
+    validation.report_flags(check, flags)
+    with pytest.raises(ValueError, match="lengths must be >= 0, which fails at sequence (1700|2900)"):
+        pk.check_errors()
+    validation.report_flags(check, torch.tensor([0, 5, 0], dtype=torch.int32))
+    with pytest.raises(ValueError, match="fails at sequence 1$"):
+        pk.check_errors()
+
+
+def test_strict_mode_switches_and_restores():
+    from packed_kernels import validation
+
+    assert pk.set_strict_checks(True) is False
+    try:
+        with pk.strict_checks(False):
+            assert validation._STRICT[0] is False
+        assert validation._STRICT[0] is True
+    finally:
+        assert pk.set_strict_checks(False) is True
+    with pytest.raises(TypeError, match="enabled must be a bool"):
+        pk.set_strict_checks(1)
