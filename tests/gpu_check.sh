@@ -5,14 +5,16 @@
 #   pytest                 the test suite on compiled kernels
 #   notebooks              every notebook of the book, executed on the GPU (tests/run_notebooks.py)
 #   memcheck               compute-sanitizer memcheck over tests/sanitizer_workload.py (every
-#                          public function, every configuration, PyTorch's caching allocator
+#                          public function at tiny shapes, --quick, PyTorch's caching allocator
 #                          off so that an access past a tensor's end is seen)
+#   initcheck              the same workload under initcheck (reads of memory never written)
 #   racecheck-SECTION      racecheck and synccheck over the kernels whose programs share
 #   synccheck-SECTION      memory or wait on each other, at small shapes (--small): the LSTM
 #                          exchange, the Sinkhorn tile kernels, the segment kernels, the CTC
 #                          recursion (SANITIZE_SECTIONS="lstm sinkhorn_tile segment ctc")
 #   bench-CHAPTER          python -m packed_kernels.bench CHAPTER --out BENCH_OUT, one run per
-#                          chapter (BENCH_CHAPTERS="ctc sinkhorn segment_ops lstm")
+#                          chapter (BENCH_CHAPTERS="ctc sinkhorn segment_ops lstm models"), only
+#                          with BENCH=1: the rest fits in about ten minutes on one H100
 #
 # Two-GPU mode (a machine with two GPUs): tests/test_devices.py (kernels on the GPU that
 # holds their inputs) and examples/ddp_training.py under torchrun, one GPU per rank:
@@ -28,10 +30,11 @@
 #   TIMEOUT_<STEP>=...                  one step's own limit, e.g. TIMEOUT_PYTEST=900,
 #                                       TIMEOUT_RACECHECK_LSTM=300 (upper case, "-" as "_")
 #   SANITIZE=0                          leave compute-sanitizer out
-#   MEMCHECK_SIZE=--small               the workload's size under memcheck (default: every case),
+#   MEMCHECK_SIZE=--small               the workload's size under memcheck and initcheck (default --quick;
+#                                       "" for every case),
 #   MEMCHECK_SECTIONS="ctc segment"     the workload sections under memcheck (default: all but sinkhorn_tile)
-#   RACECHECK_SIZE=--quick              and under racecheck and synccheck (default --small)
-#   BENCH=0                             leave the benchmarks out; BENCH_CHAPTERS chooses chapters,
+#   RACECHECK_SIZE=--small              and under racecheck and synccheck (default --quick)
+#   BENCH=1                             run the benchmarks too (default 0); BENCH_CHAPTERS chooses chapters,
 #   BENCH_OUT=DIR                       where they write (default LOG_DIR/bench; book/results
 #                                       updates the book's recorded results)
 #   WORKERS=4                           pytest processes (with pytest-xdist installed)
@@ -78,7 +81,7 @@ summarise() {
   local name=$1 log=$2 found=
   case $name in
     notebooks) found="$(grep -c '^ok ' "$log") ok, $(grep -c '^FAILED' "$log") failed" ;;
-    memcheck|racecheck-*|synccheck-*)
+    memcheck|initcheck|racecheck-*|synccheck-*)
       found=$(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY|^all checks passed|^[0-9]+ failed in' "$log" \
               | sed 's/^========= //' | paste -sd ';' -) ;;
     bench-*) found=$(grep -E '^wrote ' "$log" | tail -n 1) ;;
@@ -121,7 +124,7 @@ sanitize() {  # tool, step name, workload arguments
   local extra=()
   # one allocation per tensor: memcheck sees accesses past a tensor's end, which would
   # land inside a larger block of the caching allocator
-  [ "$tool" = memcheck ] && extra=(env PYTORCH_NO_CUDA_MEMORY_CACHING=1)
+  case $tool in memcheck|initcheck) extra=(env PYTORCH_NO_CUDA_MEMORY_CACHING=1) ;; esac
   step "$name" "${extra[@]}" compute-sanitizer --tool "$tool" --error-exitcode 9 --print-limit 20 \
     "$PY" tests/sanitizer_workload.py --progress "$@"
 }
@@ -136,14 +139,15 @@ if [ "$mode" = single ]; then
   if "$PY" -c "import xdist" > /dev/null 2>&1; then workers=(-n "${WORKERS:-4}"); fi
   step pytest "$PY" -m pytest tests -q -p no:cacheprovider "${workers[@]}" -o addopts="" -rfE ${PYTEST_ARGS:-}
   step notebooks "$PY" tests/run_notebooks.py book/*.ipynb
-  sanitize memcheck memcheck ${MEMCHECK_SIZE:-} ${MEMCHECK_SECTIONS:-}
+  sanitize memcheck memcheck ${MEMCHECK_SIZE---quick} ${MEMCHECK_SECTIONS:-}
+  sanitize initcheck initcheck ${MEMCHECK_SIZE---quick} ${MEMCHECK_SECTIONS:-}
   for section in ${SANITIZE_SECTIONS:-lstm sinkhorn_tile segment ctc}; do
-    sanitize racecheck "racecheck-$section" "${RACECHECK_SIZE:---small}" "$section"
-    sanitize synccheck "synccheck-$section" "${RACECHECK_SIZE:---small}" "$section"
+    sanitize racecheck "racecheck-$section" "${RACECHECK_SIZE:---quick}" "$section"
+    sanitize synccheck "synccheck-$section" "${RACECHECK_SIZE:---quick}" "$section"
   done
   mkdir -p "${BENCH_OUT:=$logs/bench}"
-  for chapter in ${BENCH_CHAPTERS:-ctc sinkhorn segment_ops lstm}; do
-    if [ "${BENCH:-1}" = 0 ]; then
+  for chapter in ${BENCH_CHAPTERS:-ctc sinkhorn segment_ops lstm models}; do
+    if [ "${BENCH:-0}" = 0 ]; then
       skipped "bench-$chapter" "BENCH=0"
     else
       step "bench-$chapter" "$PY" -m packed_kernels.bench "$chapter" --out "$BENCH_OUT"
