@@ -8,6 +8,8 @@ bytes of 4M tokens at n = 4. Providers:
   default (one token per thread at n = 4 and 8, column groups in the forward at n = 16
   and 32 and in the implicit backward at n = 16), to show what that layout is worth;
 * ``torch_loop``: the padded PyTorch stage, autograd through the 20-iteration loop;
+  ``torch_loop_compiled``: the same forward (and backward) under ``torch.compile``, what
+  a user who fuses the loop with the compiler gets;
 * ``torch_cg``: the padded PyTorch implicit backward (batched conjugate gradient,
   ``2n`` steps);
 * ``eps_cg_float32``: plain float32 conjugate gradient on ``[[I, R], [R^T, I]]`` with
@@ -51,12 +53,13 @@ def _fwd_triton(provider, n, tokens):
     return factory
 
 
-def _fwd_torch(n, tokens):
+def _fwd_torch(n, tokens, compiled=False):
     def factory():
         from ..ops.sinkhorn.padded_torch import sinkhorn_padded
 
         logits, _ = _inputs(n, tokens, 0)
-        return lambda: sinkhorn_padded(logits, ITERS)
+        loop = torch.compile(sinkhorn_padded) if compiled else sinkhorn_padded
+        return lambda: loop(logits, ITERS)
     return factory
 
 
@@ -111,6 +114,9 @@ def _fwd_bwd(provider, n, tokens):
             return (lambda: sinkhorn(logits, ITERS, backward="unrolled").backward(grad)), [logits]
         if provider == "torch_loop":
             return (lambda: padded_torch.sinkhorn_padded(logits, ITERS).backward(grad)), [logits]
+        if provider == "torch_loop_compiled":
+            loop = torch.compile(padded_torch.sinkhorn_padded)
+            return (lambda: loop(logits, ITERS).backward(grad)), [logits]
 
         def torch_cg():
             with torch.no_grad():
@@ -134,7 +140,8 @@ def cases() -> Iterable[Case]:
         fwd_tile = tile(forward_config(n, torch.float32))
         implicit_tile = tile(implicit_backward_config(n, torch.float32, False))
         unrolled_tile = tile(unrolled_backward_config(n, torch.float32, ITERS))
-        fwd = {"triton": _fwd_triton("triton", n, tokens), "torch_loop": _fwd_torch(n, tokens)}
+        fwd = {"triton": _fwd_triton("triton", n, tokens), "torch_loop": _fwd_torch(n, tokens),
+               "torch_loop_compiled": _fwd_torch(n, tokens, compiled=True)}
         fwd.update({p: _fwd_triton(p, n, tokens) for p in fwd_tile})
         yield Case("fwd", params, fwd, floor_bytes=2 * matrix_bytes, notes=notes)
         yield Case("bwd_implicit", params,
@@ -143,5 +150,6 @@ def cases() -> Iterable[Case]:
         yield Case("bwd_unrolled", params, {p: _unrolled(p, n, tokens) for p in ("triton", *unrolled_tile, "torch_loop")},
                    floor_bytes=3 * matrix_bytes, notes=notes)
         yield Case("fwd+bwd", params,
-                   {p: _fwd_bwd(p, n, tokens) for p in ("triton", "triton_unrolled", "torch_loop", "torch_cg")},
+                   {p: _fwd_bwd(p, n, tokens) for p in ("triton", "triton_unrolled", "torch_loop", "torch_loop_compiled",
+                                                        "torch_cg")},
                    floor_bytes=4 * matrix_bytes, notes=notes)
