@@ -9,8 +9,9 @@ import pytest
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.proxy_tensor import make_fx
+from torch.nn.utils.rnn import PackedSequence, pack_padded_sequence, pack_sequence
 
-from packed_kernels import Packed, PersistentLSTM, check_errors, pack, unpack
+from packed_kernels import Packed, PersistentLSTM, check_errors, pack, runtime, unpack
 from packed_kernels.ops.lstm.api import (
     _config_as_ints,
     _config_from_ints,
@@ -206,25 +207,6 @@ def test_traced_call_with_the_transposed_weights(device):
         assert_outputs_close(traced(x), lstm(x))
 
 
-def test_compiled_call_is_one_graph(device):
-    """``torch.compile(fullgraph=True)`` traces the whole call, the recurrences as custom ops
-    (Dynamo steps into a module holding an ``nn.LSTM`` only with ``allow_rnn``)."""
-    lstm = make_lstm(3, 8, 2, True, device=device)
-    model = PersistentLSTM.from_torch(lstm)
-    x = torch.randn(2, 4, 3, device=device)
-    graphs = []
-
-    def backend(graph_module, example_inputs):
-        graphs.append(graph_module)
-        return graph_module.forward
-
-    with torch.no_grad(), torch._dynamo.config.patch(allow_rnn=True):
-        y, state = torch.compile(model, backend=backend, fullgraph=True)(x)
-        ref = lstm(x)
-    assert len(graphs) == 1 and _recurrence_calls(graphs[0].graph) == 2
-    assert_outputs_close((y, state), ref)
-
-
 def test_recurrence_op_passes_opcheck(device):
     """``torch.library.opcheck`` (schema, fake tensor, AOT dispatch) on the custom op."""
     D, B, H, N = 2, 2, 8, 5
@@ -411,6 +393,160 @@ def test_packed_meta_and_fake_give_the_real_shapes(device, lengths):
             meta = PersistentLSTM.from_torch(meta_lstm)(packed.to("meta"))
     assert _shapes(fake) == expected and _shapes(meta) == expected
     assert calls[0] == 0, "the custom op's fake, not nn.LSTM"
+
+
+# ----------------------------------------------------------------------------------------
+# torch.compile: the kernels' path is one graph of custom ops; the nn.LSTM is never traced
+
+#: The compiler of the tests: Inductor where the kernels are compiled, its AOT tracing
+#: alone under the interpreter (Inductor's CPU code needs a C++ toolchain).
+COMPILE_BACKEND = "aot_eager" if runtime.INTERPRETED else "inductor"
+
+
+@pytest.fixture
+def fresh_dynamo():
+    """Dynamo's caches emptied around a test: every compiled call here shares the code
+    of ``forward``, whose recompilations Dynamo caps."""
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+def _recording(backend):
+    """A backend that keeps each graph Dynamo hands it (``graphs``) and compiles it with ``backend``."""
+    graphs = []
+
+    def compile_graph(graph_module, example_inputs):
+        graphs.append(graph_module)
+        return torch._dynamo.lookup_backend(backend)(graph_module, example_inputs)
+
+    return compile_graph, graphs
+
+
+def _traces_no_nn_lstm(graph) -> bool:
+    """No node of ``graph`` runs ``nn.LSTM`` (a call of the module, ``_VF.lstm``, ``aten.lstm``)."""
+    return all("lstm" not in str(node.target) or "packed_kernels" in str(node.target)
+               for node in graph.nodes if node.op in ("call_function", "call_method", "call_module"))
+
+
+def _data(output):
+    y, (h, c) = output
+    return (y.data if isinstance(y, (Packed, PackedSequence)) else y), (h, c)
+
+
+#: (id, batch_first, the call's arguments from a (3, 5, 4) batch-first x, lengths [5, 2, 4] and the device)
+COMPILED_CALLS = [
+    ("padded", True, lambda x, lengths, d: ((x,), {})),
+    ("time-major-state", False,
+     lambda x, lengths, d: ((x.transpose(0, 1), (torch.randn(4, 3, 8, device=d), torch.randn(4, 3, 8, device=d))),
+                            {})),
+    ("unbatched", True, lambda x, lengths, d: ((x[0],), {})),
+    ("padded-lengths", True, lambda x, lengths, d: ((x,), {"lengths": lengths.to(d)})),
+    ("time-major-host-lengths", False, lambda x, lengths, d: ((x.transpose(0, 1),), {"lengths": lengths})),
+    ("packed", True, lambda x, lengths, d: ((pack(x, torch.tensor([5, 0, 4], device=d)),), {})),
+    ("packed-sequence", True,
+     lambda x, lengths, d: ((pack_padded_sequence(x, lengths, batch_first=True, enforce_sorted=False),), {})),
+]
+
+
+@pytest.mark.parametrize("batch_first,make", [case[1:] for case in COMPILED_CALLS],
+                         ids=[case[0] for case in COMPILED_CALLS])
+def test_compiled_call_is_one_graph(device, fresh_dynamo, batch_first, make):
+    """``torch.compile(fullgraph=True)`` under ``no_grad`` traces the whole call, on every
+    input form, as one graph whose recurrences are custom ops (one per layer), without
+    ``allow_rnn``: the wrapped ``nn.LSTM`` is neither traced nor called. The compiled call
+    gives the eager call's outputs, in the same form."""
+    lstm = make_lstm(4, 8, 2, True, batch_first=batch_first, device=device)
+    model = PersistentLSTM.from_torch(lstm)
+    args, kwargs = make(torch.randn(3, 5, 4, device=device), torch.tensor([5, 2, 4]), device)
+    backend, graphs = _recording(COMPILE_BACKEND)
+    with torch.no_grad(), counting_module_calls(lstm) as calls:
+        compiled = torch.compile(model, backend=backend, fullgraph=True)(*args, **kwargs)
+        eager = model(*args, **kwargs)
+    assert calls[0] == 0, "the kernels, not nn.LSTM"
+    assert len(graphs) == 1 and _recurrence_calls(graphs[0].graph) == 2
+    assert _traces_no_nn_lstm(graphs[0].graph)
+    assert type(compiled[0]) is type(eager[0])
+    assert_outputs_close(_data(compiled), _data(eager))
+
+
+def test_compiled_call_under_inference_mode(device, fresh_dynamo):
+    lstm = make_lstm(3, 8, 1, True, device=device)
+    model = PersistentLSTM.from_torch(lstm)
+    packed = pack(torch.randn(3, 4, 3, device=device), torch.tensor([4, 1, 3], device=device))
+    with torch.inference_mode():
+        compiled = torch.compile(model, backend=COMPILE_BACKEND, fullgraph=True)(packed)
+        assert_outputs_close(_data(compiled), _data(model(packed)))
+
+
+def test_compiled_call_follows_the_module(device, fresh_dynamo):
+    """What the compiled call reads of the module is read at each call: parameters changed
+    through ``.data``, replaced or loaded, and the module's own mode (here a two-layer
+    module with dropout, which the kernels refuse in training mode)."""
+    lstm = make_lstm(3, 8, 2, True, dropout=0.5, device=device)
+    other = make_lstm(3, 8, 2, True, dropout=0.5, device=device, seed=5)
+    model = PersistentLSTM.from_torch(lstm)
+    compiled = torch.compile(model, backend=COMPILE_BACKEND)
+    x = torch.randn(2, 4, 3, device=device)
+    updates = [lambda: None, lambda: lstm.weight_hh_l0.data.mul_(0.5),
+               lambda: setattr(lstm, "weight_ih_l1", torch.nn.Parameter(torch.randn_like(lstm.weight_ih_l1))),
+               lambda: lstm.load_state_dict(other.state_dict())]
+    with torch.no_grad():
+        for step, update in enumerate(updates):
+            update()
+            assert_outputs_close(compiled(x), lstm(x), suffix=f" (after update {step})")
+        lstm.train()
+        with pytest.raises(ValueError, match=r"dropout=0.5 between layers.*call \.eval\(\)"):
+            compiled(x)
+        lstm.eval()
+        assert_outputs_close(compiled(x), lstm(x), suffix=" (eval again)")
+
+
+def test_compiled_packed_sequence_without_sorted_indices(device, fresh_dynamo):
+    """A ``PackedSequence`` built with ``enforce_sorted=True`` has no ``sorted_indices``: its
+    number of sequences is a value of ``batch_sizes``, which Dynamo cannot trace. With
+    ``fullgraph=True`` Dynamo raises; without it the graph breaks at that read and the call
+    gives the eager one's outputs."""
+    lstm = make_lstm(3, 8, 1, True, device=device)
+    model = PersistentLSTM.from_torch(lstm)
+    sequence = pack_sequence([torch.randn(n, 3, device=device) for n in (4, 3, 1)])
+    assert sequence.sorted_indices is None
+    with torch.no_grad():
+        with pytest.raises(torch._dynamo.exc.TorchDynamoException):
+            torch.compile(model, backend=COMPILE_BACKEND, fullgraph=True)(sequence)
+        torch._dynamo.reset()
+        compiled = torch.compile(model, backend=COMPILE_BACKEND)(sequence)
+        eager = model(sequence)
+    assert isinstance(compiled[0], PackedSequence)
+    assert_outputs_close(_data(compiled), _data(eager))
+
+
+def test_compiled_call_that_needs_a_gradient_runs_nn_lstm(device, fresh_dynamo):
+    """With a gradient needed the call runs the wrapped ``nn.LSTM``, which Dynamo does not
+    trace (nor the warning that says why): ``fullgraph=True`` raises ``Unsupported`` before
+    anything runs; without it the graph breaks there and the call is the eager one: it
+    warns once, and its outputs and gradients are ``nn.LSTM``'s."""
+    lstm = make_lstm(3, 6, 2, True, device=device).train()  # cuDNN differentiates in training mode only
+    model = PersistentLSTM.from_torch(lstm)
+    x = torch.randn(2, 4, 3, device=device, requires_grad=True)
+    with counting_module_calls(lstm) as calls:
+        with pytest.raises(torch._dynamo.exc.Unsupported):
+            torch.compile(model, backend=COMPILE_BACKEND, fullgraph=True)(x)
+        assert calls[0] == 0
+        compiled = torch.compile(model, backend=COMPILE_BACKEND)
+        with pytest.warns(UserWarning, match="a gradient is needed"):
+            y, (h, c) = compiled(x)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # said once
+            compiled(x)
+    assert calls[0] == 2
+    (y.sum() + h.sum()).backward()
+    grad = x.grad.clone()
+    x.grad = None
+    ref, (h_ref, c_ref) = lstm(x)
+    (ref.sum() + h_ref.sum()).backward()
+    assert torch.equal(y, ref) and torch.equal(h, h_ref) and torch.equal(c, c_ref)
+    assert torch.equal(grad, x.grad)
 
 
 # ----------------------------------------------------------------------------------------
