@@ -9,10 +9,13 @@ registered autograd formula, *and* the same implementation and formula as a plai
   call than the dispatcher's path through a custom op; where there is nothing to record
   (gradients off, as in inference and a backward that builds no graph, or no input
   that requires a gradient) the implementation itself;
-* **under a** ``torch.func`` **transform** (``grad``, ``vjp``, ``jacrev``, ...): the same
-  function in the form those transforms need (a separate ``setup_context``).
-  ``torch.func.vmap`` is refused with a clear error: the kernels take whole packed
-  batches, so fold the extra batch dimension into the packed one instead;
+* **under a** ``torch.func`` **transform** (``grad``, ``vjp``, ``vmap``, ``jvp``, ``jacrev``,
+  ``jacfwd``, ``hessian``, ...): the same function in the form those transforms need (a
+  separate ``setup_context``). ``torch.func.vmap`` takes the operator's vmap rule
+  (:meth:`Operator.register_vmap`), forward-mode transforms (``jvp``, ``jacfwd``) its jvp
+  rule (:meth:`Operator.register_jvp`); an operator without a vmap rule refuses ``vmap``
+  with a clear error (the kernels take whole packed batches, not batched tensors), one
+  without a jvp rule forward mode (PyTorch's error);
 * **traced** (:func:`is_traced`: ``torch.compile`` and ``torch.export``, fake tensors and
   other dispatch modes, tensor subclasses, CUDA-graph capture): the custom op, which
   tracing keeps opaque and shape-checks through its fake implementation.
@@ -76,6 +79,8 @@ class Operator:
     :meth:`register_fake` and :meth:`register_autograd` take what the
     ``torch.library`` functions of those names take; the autograd formula serves both
     paths. An operator without a registered formula is not differentiable.
+    :meth:`register_vmap` and :meth:`register_jvp` give the ``torch.func`` form its
+    ``vmap`` and forward-mode rules; without them ``vmap`` (and forward mode) is refused.
     """
 
     def __init__(self, name: str, impl: Callable):
@@ -83,10 +88,17 @@ class Operator:
         self.qualified_name = f"{NAMESPACE}::{name}"
         self.impl = impl
         self.custom_op = torch.library.custom_op(self.qualified_name, mutates_args=())(impl)
-        self._build_eager(None, None)
+        self._setup_context: Optional[Callable] = None
+        self._backward: Optional[Callable] = None
+        self._vmap_rule: Optional[Callable] = None
+        self._jvp_rule: Optional[Callable] = None
+        self._build()
 
-    def _build_eager(self, setup_context: Optional[Callable], backward: Optional[Callable]):
+    def _build(self):
+        """The two ``autograd.Function`` s, from what has been registered so far."""
         impl, qualified_name = self.impl, self.qualified_name
+        setup_context, backward = self._setup_context, self._backward
+        vmap_rule, jvp_rule = self._vmap_rule, self._jvp_rule
 
         def forward(ctx, *inputs):
             # the ctx-taking form: a separate setup_context would make every call bind
@@ -108,23 +120,65 @@ class Operator:
             if setup_context is not None:
                 setup_context(ctx, inputs, output)
             ctx.eager = True
+            if jvp_rule is not None:
+                # what the jvp rule reads: the tensor arguments and outputs (PyTorch drops
+                # them once the forward-mode pass is done), and the other arguments
+                outputs = output if isinstance(output, tuple) else (output,)
+                ctx.save_for_forward(*(a if isinstance(a, Tensor) else None for a in inputs), *outputs)
+                ctx.jvp_arguments = tuple(None if isinstance(a, Tensor) else a for a in inputs)
+                ctx.jvp_tuple_output = isinstance(output, tuple)
 
-        def vmap(info, in_dims, *args):
-            raise NotImplementedError(
-                f"{qualified_name} does not support torch.func.vmap: its kernels take whole packed "
-                "batches; fold the mapped dimension into the packed (first) dimension instead")
+        if vmap_rule is not None:
+            vmap = vmap_rule
+        else:
+            def vmap(info, in_dims, *args):
+                raise NotImplementedError(
+                    f"{qualified_name} does not support torch.func.vmap: its kernels take whole packed "
+                    "batches; fold the mapped dimension into the packed (first) dimension instead")
 
         # torch.func transforms need the forward without ctx and a separate setup_context
-        self.functional = type(f"Functional_{self.name}", (torch.autograd.Function,), {
-            "forward": staticmethod(impl), "setup_context": staticmethod(setup),
-            "backward": staticmethod(backward), "vmap": staticmethod(vmap)})
+        methods = {"forward": staticmethod(impl), "setup_context": staticmethod(setup),
+                   "backward": staticmethod(backward), "vmap": staticmethod(vmap)}
+        if jvp_rule is not None:
+            def jvp(ctx, *tangents):
+                saved = ctx.saved_tensors
+                n = len(ctx.jvp_arguments)
+                inputs = tuple(a if s is None else s for s, a in zip(saved[:n], ctx.jvp_arguments))
+                output = tuple(saved[n:]) if ctx.jvp_tuple_output else saved[n]
+                return _below_jvp_level(jvp_rule, inputs, output, tangents)
+
+            methods["jvp"] = staticmethod(jvp)
+        self.functional = type(f"Functional_{self.name}", (torch.autograd.Function,), methods)
 
     def register_fake(self, fake: Callable) -> Callable:
         return self.custom_op.register_fake(fake)
 
     def register_autograd(self, backward: Callable, *, setup_context: Callable) -> None:
         self.custom_op.register_autograd(backward, setup_context=setup_context)
-        self._build_eager(setup_context, backward)
+        self._setup_context, self._backward = setup_context, backward
+        self._build()
+
+    def register_vmap(self, rule: Callable) -> Callable:
+        """``rule(info, in_dims, *args) -> (output, out_dims)``: the operator under
+        ``torch.func.vmap``, as an ``autograd.Function``'s ``vmap`` staticmethod takes it
+        (``args`` without the mapped level, ``in_dims`` where each one's mapped dimension
+        is, ``None`` where it has none; ``info.batch_size``). It runs one level below the
+        ``vmap`` and calls operators as usual (``op(...)``), so that the transforms below
+        it see them. Usable as a decorator; returns ``rule``."""
+        self._vmap_rule = rule
+        self._build()
+        return rule
+
+    def register_jvp(self, rule: Callable) -> Callable:
+        """``rule(inputs, output, *tangents) -> output tangent(s)``: the operator's
+        forward-mode derivative (``torch.func.jvp``, ``jacfwd``, ``hessian``), with the
+        forward's arguments and output and one tangent per argument (``None`` where an
+        argument has none; ``None`` for an output that is not differentiable). It calls
+        operators as usual, so that it is itself differentiable and vmappable. Usable as a
+        decorator; returns ``rule``."""
+        self._jvp_rule = rule
+        self._build()
+        return rule
 
     def __call__(self, *args):
         return self.run(call_mode(*args), *args)
@@ -148,6 +202,40 @@ class Operator:
         call (the ``autograd.Function`` where the backward builds a graph, else the
         implementation); inside the custom op's backward, the custom op (what tracing sees)."""
         return self.__call__ if getattr(ctx, "eager", False) else self.custom_op
+
+
+def _below_jvp_level(rule: Callable, inputs: tuple, output, tangents: tuple):
+    """``rule(inputs, output, *tangents)`` one level below the ``torch.func.jvp`` that asks
+    for it, as the forward of an ``autograd.Function`` runs under that transform.
+
+    PyTorch runs an ``autograd.Function``'s ``jvp`` at the transform's own level with
+    forward-mode gradients off, so that an outer ``jvp`` (``jacfwd`` of ``jacfwd``) does
+    not see the rule's PyTorch operations and drops their derivative (a silently wrong
+    second derivative: pytorch/pytorch#197867). Here the arguments, output and tangents
+    lose the level's wrapper, the rule runs with that level popped and forward-mode
+    gradients on (the outer levels see every operation), and the tangents it returns
+    are wrapped for the level again."""
+    from torch._C._functorch import TransformType, _unwrap_for_grad, _wrap_for_grad
+    from torch._functorch.pyfunctorch import retrieve_current_functorch_interpreter
+    from torch.autograd.forward_ad import _set_fwd_grad_enabled
+
+    if not torch._C._are_functorch_transforms_active():
+        return rule(inputs, output, *tangents)
+    interpreter = retrieve_current_functorch_interpreter()
+    if interpreter.key() != TransformType.Jvp:
+        return rule(inputs, output, *tangents)
+    level = interpreter.level()
+
+    def unwrap(value):
+        return _unwrap_for_grad(value, level) if isinstance(value, Tensor) else value
+
+    def wrap(value):
+        return _wrap_for_grad(value, level) if isinstance(value, Tensor) else value
+
+    output = tuple(map(unwrap, output)) if isinstance(output, tuple) else unwrap(output)
+    with torch.enable_grad(), _set_fwd_grad_enabled(True), interpreter.lower():
+        result = rule(tuple(map(unwrap, inputs)), output, *map(unwrap, tangents))
+    return tuple(map(wrap, result)) if isinstance(result, tuple) else wrap(result)
 
 
 def operator(name: str) -> Callable[[Callable], Operator]:

@@ -211,6 +211,25 @@ def test_torch_func_grad_first_and_second_order(op, device):
         assert_close(f"{op} torch.func {order} derivative #{k % len(inputs)}", a, b, atol=1e-11, rtol=1e-10)
 
 
+@pytest.mark.parametrize("op", OPS)
+def test_torch_func_jvp_first_and_second_order(op, device):
+    """Forward mode: ``torch.func.jvp`` of each operation with a tangent for every input,
+    and ``jvp`` of that ``jvp`` (forward over forward, second order), against the padded
+    stage's. (``vmap``, ``jacrev``, ``jacfwd`` and ``hessian``: test_segment_vmap.)"""
+    inputs, idx, S = case_inputs(op, device)
+    gen = torch.Generator().manual_seed(9)
+    tangents = tuple(torch.randn(t.shape, generator=gen, dtype=t.dtype).to(device) for t in inputs)
+    others = tuple(torch.randn(t.shape, generator=gen, dtype=t.dtype).to(device) for t in inputs)
+
+    def derivatives(fn):
+        def first(*args):
+            return torch.func.jvp(lambda *a: fn(*a, idx, S), args, tangents)[1]
+        return first(*inputs), torch.func.jvp(first, tuple(inputs), others)[1]
+
+    for order, a, b in zip(("first", "second"), derivatives(PUBLIC[op]), derivatives(PADDED[op])):
+        assert_close(f"{op} jvp, {order} order", a, b, atol=1e-11, rtol=1e-10)
+
+
 def test_idx_check_reads_plain_tensors_under_torch_func(device):
     """The check of ``idx`` is a kernel too: under ``torch.func.grad`` (and ``grad`` of
     ``grad``) an ``idx`` made inside the transform is a wrapper without storage, which it

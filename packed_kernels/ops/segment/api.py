@@ -16,9 +16,20 @@ Where they run:
 * ``torch.autocast`` leaves them alone, as it leaves ``index_add`` and ``scatter_add``:
   they compute in the dtype of their (promoted) inputs (run the backward outside
   autocast, as PyTorch advises: the padded stage's is made of PyTorch ops).
-* ``torch.func.grad`` and ``torch.func.vjp`` work, also nested (``grad`` of ``grad``);
-  ``torch.func.vmap`` (and ``jacrev``, made of it) does not: the kernels read memory,
-  not batched tensors, and a clear error says so.
+* ``torch.func`` works, to second order: ``grad``, ``vjp``, ``jvp``, ``vmap`` and the
+  transforms made of them, nested in any order (``vmap(grad(f))`` for per-example
+  gradients, ``jacrev(grad(f))``, ``hessian(f)``, ``jacfwd(jacfwd(f))``). Under ``vmap``
+  each operator still launches its kernel once for the whole batch (its vmap rule): the
+  mapped dimension folds into the kernel's columns, ``(B, N, D)`` rows read as
+  ``(N, B*D)`` (an unbatched operand expanded to match; a rowwise ``dot`` runs column by
+  column and sums each example's columns after), or, where a per-segment scalar mixes
+  the columns (``rms`` and its backwards, ``matvec`` and ``outer`` with both operands
+  batched), into the rows, the examples one after another in segments of their own
+  (``matvec`` with only ``v`` batched repeats each row's segment instead). Only a fold
+  into the rows that would count ``2**31`` or more rows or segments loops over the
+  examples (one launch each). ``idx`` is not mapped: one set of segments per call, and a
+  batched ``idx`` is refused with a clear error. Forward mode (``jvp``, ``jacfwd``) has
+  its own rules, made of the same operators.
 * ``meta`` tensors and ``FakeTensorMode`` infer the output shapes and dtypes without
   running a kernel.
 * ``idx``'s values are checked on the device, never read by the host: one kernel
@@ -114,18 +125,24 @@ def _check_num_segments(num_segments) -> int:
     return num_segments
 
 
+def _batched_error(name: str) -> NotImplementedError:
+    return NotImplementedError(
+        f"{name} is batched by torch.func.vmap, which the segment operations do not support for {name}: "
+        "they take one set of segments per call; vmap over the rows (and segment rows) with one "
+        f"unbatched {name}, or concatenate the examples along the rows instead")
+
+
 def _check_not_batched(**tensors) -> None:
-    """``torch.func.vmap`` cannot run the kernels on a batch of inputs (they read memory,
-    not batched tensors): say so, and what to do instead."""
+    """``torch.func.vmap`` maps over rows and segment rows (the operators' vmap rules fold
+    the mapped dimension into the kernels' columns), not over the segments themselves:
+    a batched ``idx`` (one set of segments per example) is refused, with what to do instead."""
     if torch.compiler.is_compiling() or not torch._C._are_functorch_transforms_active():
         return
     functorch = torch._C._functorch
     for name, value in tensors.items():
         while functorch.is_functorch_wrapped_tensor(value):
             if functorch.is_batchedtensor(value):
-                raise NotImplementedError(
-                    f"{name} is batched by torch.func.vmap, which the segment operations do not support; "
-                    "concatenate the batch along the rows instead (one set of segments per example)")
+                raise _batched_error(name)
             value = functorch.get_unwrapped(value)
 
 
@@ -197,14 +214,14 @@ def _check_idx(idx, n_rows: int, num_segments: int, rows_name: str, function: st
 
 def _check_segments(idx, num_segments: int, rows_name: str, function: str, **tensors) -> tuple[Tensor, str]:
     """The checks every operation shares once its tensors' own are done: every argument on
-    one device, none batched by ``vmap``, and ``idx`` indexing the rows of
+    one device, ``idx`` not batched by ``vmap``, and ``idx`` indexing the rows of
     ``tensors[rows_name]``. Returns the checked int32 ``idx`` and the call's mode
     (:func:`~packed_kernels.dispatch.call_mode`), decided here once for the whole call."""
     check_tensor("idx", idx)
     check_same_device(**tensors, idx=idx)
     mode = call_mode(*tensors.values(), idx)
     if mode is not TRACED:
-        _check_not_batched(**tensors, idx=idx)
+        _check_not_batched(idx=idx)
     return _check_idx(idx, tensors[rows_name].shape[0], num_segments, rows_name, function, mode), mode
 
 
@@ -526,6 +543,296 @@ segment_matvec_op.register_autograd(_matvec_backward, setup_context=_matvec_setu
 segment_outer_op.register_autograd(_outer_backward, setup_context=_save_two_and_idx)
 
 
+# --- torch.func: vmap rules -------------------------------------------------------------------
+# Each rule runs one level below the vmap, on the tensors without the mapped level, and
+# calls the operators as usual (``op(...)``), so that the transforms below it (grad,
+# jvp) and plain autograd see them. A mapped dimension of size B folds into the one
+# launch of the kernel:
+#
+# * into the columns, where the operator's maths is column by column: ``(B, R, C)``
+#   becomes ``(R, B*C)`` (an unbatched operand is expanded first), the kernel runs on
+#   that and its ``(R', B*C')`` output is viewed as ``(R', B, C')`` (``out_dims`` 1);
+# * into the rows, where a per-segment scalar mixes the columns (``rms`` and its
+#   backwards, ``matvec`` and ``outer`` with both operands batched): example ``b``'s rows
+#   follow example ``b - 1``'s, in segments ``b * S + s`` (``B * S`` segments; ``counts``
+#   repeated), and the output is viewed as ``(B, S', ...)`` (``out_dims`` 0);
+# * ``matvec`` with only ``v`` batched interleaves the rows, each row ``B`` times in a row
+#   with its own segment (``idx`` repeated), which keeps one matrix per segment.
+#
+# ``idx`` and ``counts`` batched (segments that differ by example) are refused. Where the
+# rows fold would need ``2**31`` or more rows or segments (int32 ids), the rule loops
+# over the mapped dimension instead (one call per example, stacked).
+
+#: Row and segment counts from which a fold into the rows loops instead (int32 ids).
+_FOLD_LIMIT = _INT32_LIMIT
+
+
+def _refuse_batched(in_dims, **positions) -> None:
+    """A batched ``idx`` or ``counts``: segments that differ by example, which the kernels
+    do not take (one set of segments per launch)."""
+    for name, position in positions.items():
+        if in_dims[position] is not None:
+            raise _batched_error(name)
+
+
+def _example_shape(t: Tensor, dim) -> tuple:
+    """``t``'s shape as each example sees it (without the mapped dimension)."""
+    shape = list(t.shape)
+    if dim is not None:
+        del shape[dim]
+    return tuple(shape)
+
+
+def _examples(t: Tensor, dim, batch: int) -> Tensor:
+    """``(B, ...)``: the mapped dimension first; an unbatched ``t`` expanded (no copy)."""
+    return t.expand(batch, *t.shape) if dim is None else t.movedim(dim, 0)
+
+
+def _columns(t: Tensor, dim, batch: int) -> Tensor:
+    """``(R, B*C)`` (``(R, B)`` for ``(R,)`` examples): the mapped dimension next to the
+    columns, folded into them; an unbatched ``t`` expanded first."""
+    t = t.unsqueeze(1).expand(t.shape[0], batch, *t.shape[1:]) if dim is None else t.movedim(dim, 1)
+    return t.flatten(1)
+
+
+def _rows(t: Tensor, dim, batch: int) -> Tensor:
+    """``(B*R, ...)``: the examples one after another along the rows."""
+    return _examples(t, dim, batch).flatten(0, 1)
+
+
+def _block_idx(idx: Tensor, batch: int, num_segments: int) -> Tensor:
+    """The segment of each row of :func:`_rows`: example ``b``'s row ``i`` in ``b * S + idx[i]``
+    (sorted, as ``idx``)."""
+    offsets = torch.arange(batch, dtype=idx.dtype, device=idx.device) * num_segments
+    return (idx.unsqueeze(0) + offsets.unsqueeze(1)).reshape(-1)
+
+
+def _rows_fit(batch: int, *counts: int) -> bool:
+    return all(batch * count < _FOLD_LIMIT for count in counts)
+
+
+def _loop(op, info, in_dims, args, unbatched=()):
+    """The fallback: ``op`` once per example, its outputs stacked (``out_dims`` 0); the
+    outputs at positions ``unbatched`` (``counts``) are the same for every example."""
+    results = [op(*(a if d is None else a.select(d, b) for a, d in zip(args, in_dims)))
+               for b in range(info.batch_size)]
+    if not isinstance(results[0], tuple):
+        return torch.stack(results), 0
+    outputs = tuple(results[0][k] if k in unbatched else torch.stack([r[k] for r in results])
+                    for k in range(len(results[0])))
+    return outputs, tuple(None if k in unbatched else 0 for k in range(len(outputs)))
+
+
+@segment_check_idx_op.register_vmap
+def _check_idx_vmap(info, in_dims, idx, num_segments, range_code, order_code):
+    raise _batched_error("idx")
+
+
+@segment_sum_op.register_vmap
+def _sum_vmap(info, in_dims, x, idx, num_segments, config):
+    _refuse_batched(in_dims, idx=1)
+    B, shape = info.batch_size, _example_shape(x, in_dims[0])
+    out = segment_sum_op(_columns(x, in_dims[0], B), idx, num_segments, config)
+    return out.reshape(num_segments, B, *shape[1:]), 1
+
+
+@segment_gather_op.register_vmap
+def _gather_vmap(info, in_dims, b, idx, config):
+    _refuse_batched(in_dims, idx=1)
+    B, shape = info.batch_size, _example_shape(b, in_dims[0])
+    out = segment_gather_op(_columns(b, in_dims[0], B), idx, config)
+    return out.reshape(idx.shape[0], B, *shape[1:]), 1
+
+
+@segment_mean_op.register_vmap
+def _mean_vmap(info, in_dims, x, idx, num_segments, with_counts, config):
+    _refuse_batched(in_dims, idx=1)
+    B, shape = info.batch_size, _example_shape(x, in_dims[0])
+    mean, counts = segment_mean_op(_columns(x, in_dims[0], B), idx, num_segments, with_counts, config)
+    return (mean.reshape(num_segments, B, *shape[1:]), counts), (1, None)
+
+
+@segment_gather_over_count_op.register_vmap
+def _gather_over_count_vmap(info, in_dims, b, idx, counts, config):
+    _refuse_batched(in_dims, idx=1, counts=2)
+    B, shape = info.batch_size, _example_shape(b, in_dims[0])
+    out = segment_gather_over_count_op(_columns(b, in_dims[0], B), idx, counts, config)
+    return out.reshape(idx.shape[0], B, *shape[1:]), 1
+
+
+@segment_dot_op.register_vmap
+def _dot_vmap(info, in_dims, a, b, idx, num_segments, rowwise, config):
+    # column by column (rowwise=False) on the folded operands; a rowwise dot then sums
+    # each example's columns
+    _refuse_batched(in_dims, idx=2)
+    B, shape = info.batch_size, _example_shape(a, in_dims[0])
+    out = segment_dot_op(_columns(a, in_dims[0], B), _columns(b, in_dims[1], B), idx, num_segments, False, config)
+    out = out.reshape(num_segments, B, *shape[1:])
+    return (out.sum(-1, keepdim=True) if rowwise else out), 1
+
+
+@segment_scale_rows_op.register_vmap
+def _scale_rows_vmap(info, in_dims, a, b, idx, config):
+    _refuse_batched(in_dims, idx=2)
+    B, shape = info.batch_size, _example_shape(a, in_dims[0])
+    b_shape = _example_shape(b, in_dims[1])
+    if b_shape[1:] == (1,) and shape[1:] != (1,) and in_dims[1] is not None:
+        # one factor per segment and example, for every column of that example's rows
+        b = b.movedim(in_dims[1], 1).expand(b_shape[0], B, *shape[1:]).flatten(1)
+    elif not (b_shape[1:] == (1,) and shape[1:] != (1,)):
+        b = _columns(b, in_dims[1], B)
+    # else an unbatched (S, 1) b: one factor per segment, for all B*C columns as it is
+    out = segment_scale_rows_op(_columns(a, in_dims[0], B), b, idx, config)
+    return out.reshape(shape[0], B, *shape[1:]), 1
+
+
+@segment_rms_op.register_vmap
+def _rms_vmap(info, in_dims, x, idx, num_segments, config):
+    # the sum of squares mixes the columns: the examples fold into the rows
+    _refuse_batched(in_dims, idx=1)
+    B, n_rows = info.batch_size, _example_shape(x, in_dims[0])[0]
+    if not _rows_fit(B, n_rows, num_segments):
+        return _loop(segment_rms_op, info, in_dims, (x, idx, num_segments, config), unbatched=(1,))
+    r, counts = segment_rms_op(_rows(x, in_dims[0], B), _block_idx(idx, B, num_segments), B * num_segments, config)
+    return (r.reshape(B, num_segments, *r.shape[1:]), counts[:num_segments]), (0, None)
+
+
+@segment_rms_backward_op.register_vmap
+def _rms_backward_vmap(info, in_dims, g, x, r, counts, idx, config):
+    _refuse_batched(in_dims, counts=3, idx=4)
+    g_dim, x_dim, r_dim = in_dims[:3]
+    B, shape = info.batch_size, _example_shape(x, x_dim)
+    if g_dim is None and r_dim is None:
+        # one weight g_s / (n_s r_s) per segment for every example: the columns fold
+        out = segment_rms_backward_op(g, _columns(x, x_dim, B), r, counts, idx, config)
+        return out.reshape(shape[0], B, *shape[1:]), 1
+    S = counts.shape[0]
+    if not _rows_fit(B, shape[0], S):
+        return _loop(segment_rms_backward_op, info, in_dims, (g, x, r, counts, idx, config))
+    out = segment_rms_backward_op(_rows(g, g_dim, B), _rows(x, x_dim, B), _rows(r, r_dim, B), counts.repeat(B),
+                                  _block_idx(idx, B, S), config)
+    return out.reshape(B, *shape), 0
+
+
+@segment_rms_double_backward_op.register_vmap
+def _rms_double_backward_vmap(info, in_dims, p, g, r, counts):
+    # per segment: the examples' segments one after another, counts repeated
+    _refuse_batched(in_dims, counts=3)
+    B, S = info.batch_size, counts.shape[0]
+    if not _rows_fit(B, S):
+        return _loop(segment_rms_double_backward_op, info, in_dims, (p, g, r, counts))
+    grad_g, grad_r = segment_rms_double_backward_op(_rows(p, in_dims[0], B), _rows(g, in_dims[1], B),
+                                                    _rows(r, in_dims[2], B), counts.repeat(B))
+    grad_g = grad_g.reshape(B, *_example_shape(g, in_dims[1]))
+    return (grad_g, grad_r.reshape(B, *_example_shape(r, in_dims[2]))), (0, 0)
+
+
+@segment_matvec_op.register_vmap
+def _matvec_vmap(info, in_dims, v, m, idx, transpose, config):
+    _refuse_batched(in_dims, idx=2)
+    v_dim, m_dim = in_dims[:2]
+    B, n_rows = info.batch_size, _example_shape(v, v_dim)[0]
+    S, D, K = _example_shape(m, m_dim)
+    n_out = D if transpose else K
+    if v_dim is None:
+        # the examples' matrices side by side along the output dimension:
+        # (S, D, B*K) for m^T v, (S, B*D, K) for m v
+        m = m.movedim(m_dim, 1).flatten(1, 2) if transpose else m.movedim(m_dim, 2).flatten(2, 3)
+        return segment_matvec_op(v, m, idx, transpose, config).reshape(n_rows, B, n_out), 1
+    if not _rows_fit(B, n_rows, S):
+        return _loop(segment_matvec_op, info, in_dims, (v, m, idx, transpose, config))
+    if m_dim is None:
+        # each row B times in a row, with its own segment's matrix
+        out = segment_matvec_op(v.movedim(v_dim, 1).flatten(0, 1), m, idx.repeat_interleave(B), transpose, config)
+        return out.reshape(n_rows, B, n_out), 1
+    out = segment_matvec_op(_rows(v, v_dim, B), _rows(m, m_dim, B), _block_idx(idx, B, S), transpose, config)
+    return out.reshape(B, n_rows, n_out), 0
+
+
+@segment_outer_op.register_vmap
+def _outer_vmap(info, in_dims, a, b, idx, num_segments, config):
+    _refuse_batched(in_dims, idx=2)
+    a_dim, b_dim = in_dims[:2]
+    B = info.batch_size
+    (n_rows, Da), (_, Db) = _example_shape(a, a_dim), _example_shape(b, b_dim)
+    if b_dim is None:
+        out = segment_outer_op(_columns(a, a_dim, B), b, idx, num_segments, config)
+        return out.reshape(num_segments, B, Da, Db), 1
+    if a_dim is None:
+        out = segment_outer_op(a, _columns(b, b_dim, B), idx, num_segments, config)
+        return out.reshape(num_segments, Da, B, Db), 2
+    if not _rows_fit(B, n_rows, num_segments):
+        return _loop(segment_outer_op, info, in_dims, (a, b, idx, num_segments, config))
+    out = segment_outer_op(_rows(a, a_dim, B), _rows(b, b_dim, B), _block_idx(idx, B, num_segments),
+                           B * num_segments, config)
+    return out.reshape(B, num_segments, Da, Db), 0
+
+
+# --- torch.func: forward-mode rules (jvp, jacfwd, hessian) ------------------------------------
+# Every operator but rms is linear in each operand, so its tangent is the operator again
+# on the tangents; each rule calls operators, so that it is differentiable and vmappable.
+
+def _add(*terms):
+    terms = [t for t in terms if t is not None]
+    total = terms[0]
+    for term in terms[1:]:
+        total = total + term
+    return total
+
+
+def _bilinear_jvp(op, first: int = 0, second: int = 1):
+    """The tangent of an operator linear in its arguments ``first`` and ``second``."""
+    def jvp(inputs, output, *tangents):
+        t_a, t_b = tangents[first], tangents[second]
+        with_a = None if t_a is None else op(*inputs[:first], t_a, *inputs[first + 1:])
+        with_b = None if t_b is None else op(*inputs[:second], t_b, *inputs[second + 1:])
+        return _add(with_a, with_b)
+    return jvp
+
+
+def _linear_jvp(op):
+    def jvp(inputs, output, tangent, *_):
+        return op(tangent, *inputs[1:])
+    return jvp
+
+
+segment_sum_op.register_jvp(_linear_jvp(segment_sum_op))
+segment_gather_op.register_jvp(_linear_jvp(segment_gather_op))
+segment_gather_over_count_op.register_jvp(_linear_jvp(segment_gather_over_count_op))
+segment_dot_op.register_jvp(_bilinear_jvp(segment_dot_op))
+segment_scale_rows_op.register_jvp(_bilinear_jvp(segment_scale_rows_op))
+segment_matvec_op.register_jvp(_bilinear_jvp(segment_matvec_op))
+segment_outer_op.register_jvp(_bilinear_jvp(segment_outer_op))
+
+
+@segment_mean_op.register_jvp
+def _mean_jvp(inputs, output, t_x, *_):
+    x, idx, num_segments, _, config = inputs
+    return segment_mean_op(t_x, idx, num_segments, needs_counts(t_x), config)[0], None
+
+
+@segment_rms_op.register_jvp
+def _rms_jvp(inputs, output, t_x, *_):
+    # dr_s = sum_{i in s} t_i . x_i / (n_s r_s): rms_backward of a unit g gives the
+    # weighted rows x_i / (n_s r_s) (0 where r_s = 0), and a rowwise dot sums them with t
+    x, idx, num_segments, config = inputs
+    r, counts = output
+    weighted = segment_rms_backward_op(torch.ones_like(r), x, r, counts, idx, config)
+    return segment_dot_op(t_x, weighted, idx, num_segments, True, config), None
+
+
+@segment_rms_backward_op.register_jvp
+def _rms_backward_jvp(inputs, output, t_g, t_x, t_r, *_):
+    # out_i = x_i g_s / (n_s r_s): linear in g and x; d/dr_s = x_i (-g_s / r_s) / (n_s r_s)
+    g, x, r, counts, idx, config = inputs
+    terms = [None if t_g is None else segment_rms_backward_op(t_g, x, r, counts, idx, config),
+             None if t_x is None else segment_rms_backward_op(g, t_x, r, counts, idx, config)]
+    if t_r is not None:
+        safe_r = torch.where(r > 0, r, torch.ones_like(r))
+        terms.append(segment_rms_backward_op(-g * t_r / safe_r, x, r, counts, idx, config))
+    return _add(*terms)
+
+
 # --- the operations without the argument checks ---------------------------------------------
 # What runs inside torch.compile and CUDA graphs, where the host-reading checks are
 # skipped; the benchmark times these, and a test passes them a small ``config``.
@@ -631,7 +938,10 @@ def segmented_sum(x: Tensor, idx: Tensor, num_segments: int) -> Tensor:
     Returns:
         ``(S,)`` for ``(N,)`` input, ``(S, D)`` for ``(N, D)``; ``x``'s dtype.
 
-    As all six segment operations: differentiable twice, ``torch.func.grad`` included;
+    As all six segment operations: differentiable twice, ``torch.func`` included
+    (``grad``, ``vmap``, ``jacrev``, ``jacfwd`` and ``hessian``, to second order; under
+    ``vmap`` one launch per operator for the whole batch, the mapped dimension folded into
+    the kernel's columns, and ``idx`` shared by every example, never batched itself);
     on ``meta`` tensors and under ``FakeTensorMode``, the output's shape and dtype
     without a kernel; ``torch.autocast`` leaves it alone, as it leaves ``index_add``
     (it computes in the input's dtype); CPU tensors on a machine whose kernels are
@@ -653,7 +963,8 @@ def segmented_mean(x: Tensor, idx: Tensor, num_segments: int) -> Tensor:
 
     Arguments and shapes as :func:`segmented_sum`: ``(S,)`` or ``(S, D)``.
 
-    Autograd, ``torch.func``, meta tensors, autocast and CPU tensors: as :func:`segmented_sum`.
+    Autograd, ``torch.func`` (``vmap``, ``jacrev``, ``jacfwd`` and ``hessian``, to second
+    order), meta tensors, autocast and CPU tensors: as :func:`segmented_sum`.
 
     Example:
         >>> import torch
@@ -676,7 +987,10 @@ def segmented_dot(x: Tensor, y: Tensor, idx: Tensor, num_segments: int) -> Tenso
     Returns:
         ``(S,)``, in the promoted dtype.
 
-    Autograd, ``torch.func``, meta tensors, autocast and CPU tensors: as :func:`segmented_sum`.
+    Autograd, ``torch.func`` (``vmap``, ``jacrev``, ``jacfwd`` and ``hessian``, to second
+    order; under ``vmap`` the folded rows' products are summed per column in one
+    launch, then each example's columns), meta tensors, autocast and CPU tensors: as
+    :func:`segmented_sum`.
 
     Example:
         >>> import torch
@@ -708,7 +1022,8 @@ def segmented_mul(x: Tensor, y: Tensor, idx: Tensor, num_segments: int) -> Tenso
     Returns:
         ``x``'s shape, in the promoted dtype.
 
-    Autograd, ``torch.func``, meta tensors, autocast and CPU tensors: as :func:`segmented_sum`.
+    Autograd, ``torch.func`` (``vmap``, ``jacrev``, ``jacfwd`` and ``hessian``, to second
+    order), meta tensors, autocast and CPU tensors: as :func:`segmented_sum`.
 
     Example:
         >>> import torch
@@ -747,7 +1062,10 @@ def segmented_rms_norm(x: Tensor, idx: Tensor, num_segments: int) -> Tensor:
     Returns:
         ``(S,)``; ``x``'s dtype.
 
-    Autograd, ``torch.func``, meta tensors, autocast and CPU tensors: as :func:`segmented_sum`.
+    Autograd, ``torch.func`` (``vmap``, ``jacrev``, ``jacfwd`` and ``hessian``, to second
+    order; under ``vmap`` the examples fold into the rows, each in segments of its own,
+    one launch per operator), meta tensors, autocast and CPU tensors: as
+    :func:`segmented_sum`.
 
     Example:
         >>> import torch
@@ -771,7 +1089,10 @@ def segmented_matvec(v: Tensor, m: Tensor, idx: Tensor, num_segments: int) -> Te
     Returns:
         ``(N, K)``, in the promoted dtype; ``out[i, k] = sum_j m[idx[i], j, k] v[i, j]``.
 
-    Autograd, ``torch.func``, meta tensors, autocast and CPU tensors: as :func:`segmented_sum`.
+    Autograd, ``torch.func`` (``vmap``, ``jacrev``, ``jacfwd`` and ``hessian``, to second
+    order; under ``vmap`` one launch per operator: a batched ``m`` folds into its output
+    columns, a batched ``v`` into the rows), meta tensors, autocast and CPU tensors: as
+    :func:`segmented_sum`.
 
     Example:
         >>> import torch
