@@ -23,6 +23,9 @@ _LAZY_NAMES = {
     "packed_ctc_loss": "ops.ctc",
     "packed_ctc_loss_from_logits": "ops.ctc",
     "linear_packed_ctc_loss": "ops.ctc",
+    "packed_ctc_align": "ops.ctc",
+    "packed_ctc_align_from_logits": "ops.ctc",
+    "CTCAlignment": "ops.ctc",
     "sinkhorn": "ops.sinkhorn",
     "sinkhorn_backward": "ops.sinkhorn",
     "segmented_sum": "ops.segment",
@@ -35,7 +38,8 @@ _LAZY_NAMES = {
 }
 
 if TYPE_CHECKING:  # what the lazy names below resolve to, for type checkers and IDEs
-    from .ops.ctc import linear_packed_ctc_loss, packed_ctc_loss, packed_ctc_loss_from_logits
+    from .ops.ctc import (CTCAlignment, linear_packed_ctc_loss, packed_ctc_align, packed_ctc_align_from_logits,
+                          packed_ctc_loss, packed_ctc_loss_from_logits)
     from .ops.lstm import PersistentLSTM
     from .ops.segment import *  # noqa: F401,F403  (the six segmented_* functions)
     from .ops.sinkhorn import sinkhorn, sinkhorn_backward

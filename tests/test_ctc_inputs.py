@@ -109,8 +109,31 @@ BAD_INPUTS = {
                       "must be int32 or int64; got torch.float32"),
     "targets-uint8": (_set("targets", lambda a, d: a["targets"].clamp(0).to(torch.uint8)), TypeError, "targets",
                       "got torch.uint8"),
-    "targets-1d": (_set("targets", lambda a, d: a["targets"][0]), ValueError, "targets", "must be 2-D (B, U)"),
-    "targets-3d": (_set("targets", lambda a, d: a["targets"][None]), ValueError, "targets", "must be 2-D"),
+    "targets-3d": (_set("targets", lambda a, d: a["targets"][None]), ValueError, "targets",
+                   "must be 2-D (B, U) padded or 1-D (sum(target_lengths),) concatenated"),
+    "targets-0d": (_set("targets", lambda a, d: a["targets"][0, 0]), ValueError, "targets", "must be 2-D"),
+    # 1-D concatenated targets: [1, 2] and [-9], the padded row's junk now inside a target
+    "targets-1d-id-outside": (_set("targets", lambda a, d: a["targets"][0]), ValueError, "targets",
+                              "packed_ctc_loss: targets must lie in [0, C) within each target length, "
+                              "which fails at utterance 1"),
+    "targets-1d-lengths-sum-short": (_set("targets", _tensor([1, 2, 4, 3])), ValueError, "target_lengths",
+                                     "packed_ctc_loss: target_lengths must be non-negative and sum to "
+                                     "targets.shape[0] (1-D targets), which fails at utterance 1"),
+    # silent if unchecked: the utterances would read [1, 2, 4] and []
+    "targets-1d-lengths-negative": (lambda a, d: dict(a, targets=torch.tensor([1, 2, 4], device=d),
+                                                      target_lengths=torch.tensor([3, -1], device=d)),
+                                    ValueError, "target_lengths",
+                                    "packed_ctc_loss: target_lengths must be non-negative and sum to "
+                                    "targets.shape[0] (1-D targets), which fails at utterance 1"),
+    "targets-1d-list-lengths-sum-long": (lambda a, d: dict(a, targets=torch.tensor([1, 2], device=d),
+                                                           target_lengths=[2, 1]),
+                                         ValueError, "target_lengths",
+                                         "packed_ctc_loss: target_lengths must be non-negative and sum to "
+                                         "targets.shape[0] (1-D targets), which fails at utterance 1"),
+    "targets-1d-no-utterances": (lambda a, d: dict(a, cu_seqlens=torch.tensor([0], device=d),
+                                                   log_probs=a["log_probs"][:0], targets=a["targets"][0],
+                                                   target_lengths=a["target_lengths"][:0]),
+                                 ValueError, "targets", "must be empty for B = 0 utterances"),
     "targets-wrong-batch": (_set("targets", lambda a, d: a["targets"][:1]), ValueError, "targets",
                             "must have shape (B=2, U) to match cu_seqlens"),
     "cu_seqlens-one-utterance-more": (_set("cu_seqlens", _tensor([0, 4, 7, 7])), ValueError, "targets",
@@ -130,8 +153,16 @@ BAD_INPUTS = {
     "targets-other-device": (_set("targets", lambda a, d: a["targets"].to(_other_device(d))), ValueError, "targets",
                              "must be on log_probs's device"),
     # target_lengths
-    "target_lengths-list": (_set("target_lengths", lambda a, d: [2, 1]), TypeError, "target_lengths",
-                            "must be a torch.Tensor"),
+    # a list of ints is taken (host data: checked at once)
+    "target_lengths-string": (_set("target_lengths", lambda a, d: "21"), TypeError, "target_lengths",
+                              "must be a torch.Tensor or a list of ints; got str"),
+    "target_lengths-list-of-floats": (_set("target_lengths", lambda a, d: [2, 1.0]), TypeError, "target_lengths",
+                                      "must be a torch.Tensor or a list of ints; got float at index 1"),
+    "target_lengths-list-too-long": (_set("target_lengths", lambda a, d: (4, 1)), ValueError, "target_lengths",
+                                     "packed_ctc_loss: target_lengths must lie in [0, U = targets.shape[1]], "
+                                     "which fails at utterance 0"),
+    "target_lengths-list-wrong-batch": (_set("target_lengths", lambda a, d: [2]), ValueError, "target_lengths",
+                                        "must have shape (B=2,) to match cu_seqlens"),
     "target_lengths-float": (_set("target_lengths", lambda a, d: a["target_lengths"].float()), TypeError,
                              "target_lengths", "must be int32 or int64; got torch.float32"),
     "target_lengths-bool": (_set("target_lengths", lambda a, d: a["target_lengths"] > 0), TypeError,

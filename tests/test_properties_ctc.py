@@ -7,12 +7,17 @@ blank, four dtypes, strided ``log_probs`` (transposed, sliced, expanded) and ind
 tensors of int32 or int64, strided targets, offsets and target lengths. The loss and
 its gradient (for a random upstream gradient) are compared with
 :func:`tests.references.ctc_loss_reference`; two identical calls give the same bits,
-as the kernels promise (no atomics, every sum in a fixed order).
+as the kernels promise (no atomics, every sum in a fixed order). The same batches are
+aligned by ``packed_ctc_align`` and compared with the float64 NumPy Viterbi, utterance by
+utterance.
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Tuple
+
+import numpy as np
 
 import pytest
 import torch
@@ -20,6 +25,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import packed_kernels as pk
+from packed_kernels.ops.ctc.naive_numpy import ctc_align_numpy
 from tests.assertions import assert_close
 from tests.references import LAYOUTS, as_layout, ctc_loss_reference, property_settings, rounded
 
@@ -181,3 +187,32 @@ def test_packed_ctc_loss_is_bitwise_deterministic(device, dtype, reduction, data
     (loss_a, grad_a), (loss_b, grad_b) = (package_loss_and_gradient(case, device, *tensors) for _ in range(2))
     assert same_bits(loss_a, loss_b), "the loss differs between two identical calls"
     assert same_bits(grad_a, grad_b), "the gradient differs between two identical calls"
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=str)
+@property_settings(max_examples=5)
+@given(data=st.data())
+def test_packed_ctc_align_matches_numpy_viterbi(device, dtype, data):
+    """Labels, tokens and spans as the NumPy stage's, scores and log-likelihoods within the
+    loss's tolerance. (In float32 the rows are never the expanded view: identical rows make
+    paths that tie in exact arithmetic, which float32 sums may round apart.)"""
+    case = data.draw(ctc_cases(dtype, "none"), label="case")
+    if dtype != torch.float64 and case.layout == "expanded":
+        case = dataclasses.replace(case, layout="sliced")
+    log_probs, cu_seqlens, targets, target_lengths, _ = inputs(case, device)
+    alignment = pk.packed_ctc_align(as_layout(log_probs.to(device=device, dtype=dtype), case.layout), cu_seqlens,
+                                    targets, target_lengths, blank=case.blank)
+    values = as_layout(log_probs, case.layout).numpy()
+    cu = np.concatenate([[0], np.cumsum(case.input_lengths, dtype=np.int64)])
+    tolerance = LOSS_TOLERANCE[dtype]
+    for b, L in enumerate(case.target_lengths):
+        labels, tokens, scores, spans, log_likelihood = ctc_align_numpy(
+            values[cu[b]:cu[b + 1]], np.asarray(case.targets[b][:L]), case.blank)
+        rows = slice(int(cu[b]), int(cu[b + 1]))
+        first = int(alignment.span_offsets[b])
+        assert alignment.labels[rows].tolist() == labels.tolist(), f"utterance {b}: labels"
+        assert alignment.tokens[rows].tolist() == tokens.tolist(), f"utterance {b}: tokens"
+        assert alignment.spans[first:first + L].tolist() == spans.tolist(), f"utterance {b}: spans"
+        assert_close(f"utterance {b}: scores", alignment.scores[rows], scores, atol=tolerance, rtol=tolerance)
+        assert_close(f"utterance {b}: log_likelihood", alignment.log_likelihood[b],
+                     torch.tensor(log_likelihood, dtype=torch.float64), atol=tolerance, rtol=tolerance)

@@ -1,6 +1,6 @@
-"""CTC loss benchmark: forward plus backward, reduction ``"mean"``.
+"""CTC loss benchmark: forward plus backward, reduction ``"mean"``; and forced alignment.
 
-Two workloads. ``fwd+bwd``: the loss of given log-probabilities, each provider on the
+Three workloads. ``fwd+bwd``: the loss of given log-probabilities, each provider on the
 same problem in its own layout:
 
 * ``torch``: ``torch.nn.functional.ctc_loss`` on the padded ``(T, B, C)`` log-probabilities,
@@ -21,6 +21,19 @@ at vocabularies of 1k to 64k classes (:data:`HEAD_VOCABULARIES`), in bfloat16 an
 :func:`head_memory_plan` gives, from the shapes alone, the tensors each of these four
 holds at its peak.
 
+``align``: the best path of each utterance (no gradient), for batches of 1 to 128
+utterances (:data:`ALIGN_BATCHES`) of the first shape's lengths and vocabulary:
+
+* ``triton``: :func:`packed_kernels.packed_ctc_align` on the packed rows;
+* ``padded``: the padded PyTorch stage, :func:`~packed_kernels.ops.ctc.padded_torch.ctc_align_padded`,
+  on the padded ``(B, T, C)`` batch;
+* ``torchaudio_loop``: ``torchaudio.functional.forced_align``, one utterance at a time
+  (it takes one), where torchaudio is installed;
+* ``numpy``: the float64 NumPy stage, at ``B = 1`` only (a Python loop over frames and states).
+
+Its floor is a latency: the longest utterance's frames, each one step of the recursion
+and one of the walk back, are sequential whatever the batch.
+
 Utterance lengths are uniform in ``[T/3, T]`` (fixed seed); each target has about
 ``length / ratio`` labels drawn from the non-blank classes. Each provider computes the
 gradient with ``torch.autograd.grad``, so no ``.grad`` accumulates between calls.
@@ -36,6 +49,9 @@ from typing import Dict, Iterator, List, Optional
 import torch
 
 from .harness import Case
+
+#: Where the alignment workload's inputs live (the other workloads' are on ``"cuda"``).
+DEVICE = "cuda"
 
 #: (B, longest T, C, frames per target label)
 SHAPES = [
@@ -216,9 +232,101 @@ def _head_cases() -> Iterator[Case]:
             )
 
 
+# ---------------------------------------------------------------------------------------
+# forced alignment
+
+#: Utterances per batch of the ``align`` workload.
+ALIGN_BATCHES = (1, 8, 32, 128)
+#: Its utterances: (longest T, C, frames per target label), the first shape's; the seed
+#: of batch ``B``'s lengths is ``ALIGN_SEED + B``.
+ALIGN_SHAPE = SHAPES[0][1:]
+ALIGN_SEED = 3000
+ALIGN_PROVIDERS = ("triton", "padded", "torchaudio_loop", "numpy")
+
+
+def _torchaudio_forced_align():
+    """``torchaudio.functional.forced_align``, or ``None`` where torchaudio (or the function)
+    is not installed."""
+    try:
+        from torchaudio.functional import forced_align
+    except (ImportError, OSError, RuntimeError):
+        return None
+    return forced_align
+
+
+def _align_provider(name: str, B: int, T: int, C: int, input_lengths, target_lengths, seed: int):
+    """The factory of provider ``name``: it draws the batch on :data:`DEVICE` (log-probabilities,
+    targets padded to the longest) and returns the call to time, which returns the
+    provider's own result."""
+
+    def factory():
+        from ..packing import cu_seqlens_from_lengths
+
+        g = torch.Generator(device=DEVICE).manual_seed(seed)
+        T_total = int(input_lengths.sum())
+        log_probs = torch.randn(T_total, C, generator=g, device=DEVICE).log_softmax(-1)
+        targets = torch.randint(1, C, (B, int(target_lengths.max())), generator=g, device=DEVICE)
+        frames, labels = input_lengths.to(DEVICE), target_lengths.to(DEVICE)
+        cu = cu_seqlens_from_lengths(frames)
+        if name == "triton":
+            from .. import packed_ctc_align
+
+            return lambda: packed_ctc_align(log_probs, cu, targets, labels)
+        if name == "padded":
+            from ..ops.ctc.padded_torch import ctc_align_padded
+            from ..packing import Packed, unpack
+
+            padded = unpack(Packed(log_probs, cu, frames))
+            return lambda: ctc_align_padded(padded, frames, targets, labels)
+        starts, lengths = cu.tolist(), target_lengths.tolist()
+        if name == "torchaudio_loop":
+            forced_align = _torchaudio_forced_align()
+            pieces = [(log_probs[starts[b]:starts[b + 1]][None], targets[b:b + 1, :lengths[b]].int())
+                      for b in range(B)]
+            return lambda: [forced_align(rows, target, blank=0) for rows, target in pieces]
+        if name == "numpy":
+            from ..ops.ctc.naive_numpy import ctc_align_numpy
+
+            values, ids = log_probs.double().cpu().numpy(), targets.cpu().numpy()
+            return lambda: [ctc_align_numpy(values[starts[b]:starts[b + 1]], ids[b, :lengths[b]], 0)
+                            for b in range(B)]
+        raise ValueError(f"unknown alignment provider {name!r}")
+
+    return factory
+
+
+def align_providers(B: int) -> tuple:
+    """The providers of the ``align`` workload at ``B`` utterances."""
+    names = ["triton", "padded"]
+    if _torchaudio_forced_align() is not None:
+        names.append("torchaudio_loop")
+    if B == 1:  # a Python loop over frames and states: one utterance only
+        names.append("numpy")
+    return tuple(names)
+
+
+def _align_cases() -> Iterator[Case]:
+    T, C, ratio = ALIGN_SHAPE
+    for B in ALIGN_BATCHES:
+        seed = ALIGN_SEED + B
+        input_lengths, target_lengths = utterance_lengths(B, T, ratio, seed)
+        T_total, U = int(input_lengths.sum()), int(target_lengths.max())
+        args = (B, T, C, input_lengths, target_lengths, seed)
+        yield Case(
+            workload="align",
+            params={"shape": f"B{B} T{T} C{C} U{U}", "B": B, "T": T, "C": C, "ratio": ratio},
+            providers={name: _align_provider(name, *args) for name in align_providers(B)},
+            # each frame's label columns read once (the blank's and L_b labels', float32), and
+            # its label, token (int64) and score (float32) written once
+            floor_bytes=float(((input_lengths * (target_lengths + 1)).sum() * 4 + T_total * 20)),
+            notes={"T_total": T_total, "U": U, "T_max": int(input_lengths.max())},
+        )
+
+
 def cases() -> Iterator[Case]:
     yield from _log_prob_cases()
     yield from _head_cases()
+    yield from _align_cases()
 
 
 # ---------------------------------------------------------------------------------------
@@ -352,5 +460,7 @@ def head_memory_plan(C: int, dtype: torch.dtype = torch.bfloat16, *, B: Optional
 def describe() -> List[str]:
     """The shapes, one line each (for the notebook)."""
     B, T, D, ratio = HEAD_SHAPE
+    T_a, C_a, ratio_a = ALIGN_SHAPE
     return ([f"B={B}, T<={T}, C={C}, about T/{ratio} labels per target" for B, T, C, ratio in SHAPES]
-            + [f"output layer: B={B}, T<={T}, D={D}, C in {list(HEAD_VOCABULARIES)}, {' and '.join(HEAD_DTYPES)}"])
+            + [f"output layer: B={B}, T<={T}, D={D}, C in {list(HEAD_VOCABULARIES)}, {' and '.join(HEAD_DTYPES)}"]
+            + [f"alignment: B in {list(ALIGN_BATCHES)}, T<={T_a}, C={C_a}, about T/{ratio_a} labels per target"])

@@ -15,10 +15,19 @@ no extra launch), and reported as :mod:`packed_kernels.validation` says. Each fo
 operator reports as the public function that calls it (:func:`_value_checks`), traced
 calls included; the padded stage checks its CPU tensors on the host, with the same
 :class:`~packed_kernels.validation.ValueCheck` s.
+
+Every CTC function takes its batch the same way (:func:`_batch_description`):
+``target_lengths`` a tensor or a list of ints, and ``targets`` padded ``(B, U)`` or
+concatenated ``(sum(target_lengths),)`` as ``F.ctc_loss`` takes them. Concatenated targets
+are padded on the device by one kernel, ``packed_kernels::ctc_padded_targets``, to the
+width ``U = max(target_lengths)`` where the lengths are host data (a list, or the CPU
+tensors of the padded stage) and otherwise ``U = targets.shape[0]``, the one bound known
+without reading the lengths from the device.
 """
 from __future__ import annotations
 
-from typing import NamedTuple, Tuple
+from operator import index as operator_index
+from typing import NamedTuple, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor
@@ -33,6 +42,7 @@ from .triton_kernels import (
     ctc_forward_config,
     ctc_forward_triton,
     ctc_gradient_config,
+    ctc_padded_targets_triton,
 )
 
 __all__ = ["packed_ctc_loss"]
@@ -79,6 +89,12 @@ def _value_checks(function: str, rows: str) -> _ValueChecks:
 _CHECKS = _value_checks("packed_ctc_loss", "log_probs")
 
 
+def _concatenated_lengths_check(function: str) -> validation.ValueCheck:
+    """The check of ``target_lengths`` beside 1-D concatenated targets, per utterance."""
+    return validation.value_check(function, "target_lengths",
+                                  "must be non-negative and sum to targets.shape[0] (1-D targets)", "utterance")
+
+
 def _check_values_on_host(checks: _ValueChecks, cu_seqlens: Tensor, targets: Tensor, target_lengths: Tensor,
                           T_total: int, C: int) -> None:
     """The device's value checks, made by PyTorch ops on CPU tensors that no kernel reads
@@ -118,6 +134,107 @@ def _padded_length(checks: _ValueChecks, traced: bool, shape: Tuple[int, int], c
     _check_values_on_host(checks, cu_seqlens, targets, target_lengths, T_total, C)
     with torch._C._DisableFuncTorch():
         return int(cu_seqlens.diff().max()) if cu_seqlens.shape[0] > 1 else 0
+
+
+# ---------------------------------------------------------------------------------------
+# the batch description: lengths as lists, targets concatenated
+
+
+def _lengths_argument(target_lengths, device: torch.device) -> Tuple[object, Optional[Tuple[int, ...]]]:
+    """``(target_lengths, values)``: a list or tuple of ints becomes an int64 tensor on
+    ``device`` (``values`` keeps the ints, host data that needs no read); anything else is
+    returned as it came (``values`` is ``None``), for :func:`_check_batch` to check."""
+    if not isinstance(target_lengths, (list, tuple)):
+        if not isinstance(target_lengths, torch.Tensor):
+            raise TypeError(f"target_lengths must be a torch.Tensor or a list of ints; "
+                            f"got {type(target_lengths).__name__}")
+        return target_lengths, None
+    for i, value in enumerate(target_lengths):
+        if isinstance(value, (bool, torch.Tensor)) or not hasattr(type(value), "__index__"):
+            raise TypeError(f"target_lengths must be a torch.Tensor or a list of ints; "
+                            f"got {type(value).__name__} at index {i}")
+    values = tuple(operator_index(value) for value in target_lengths)
+    if device.type == "cuda" and not torch.compiler.is_compiling():
+        # from pinned memory, the copy is queued on the stream and the host goes on at once
+        tensor = torch.tensor(values, dtype=torch.int64, pin_memory=True).to(device, non_blocking=True)
+    else:
+        tensor = torch.tensor(values, dtype=torch.int64, device=device)
+    return tensor, values
+
+
+def _first_concatenation_error(values: Sequence[int], N: int) -> Optional[int]:
+    """The utterance where lengths ``values`` stop being non-negative and summing to ``N``
+    (as :func:`~.triton_kernels.ctc_concatenated_targets_kernel` finds it), or ``None``."""
+    end = 0
+    for b, length in enumerate(values):
+        end += max(length, 0)
+        if length < 0 or end > N or (b == len(values) - 1 and end != N):
+            return b
+    return None
+
+
+@operator("ctc_padded_targets")
+def _ctc_padded_targets(targets: Tensor, target_lengths: Tensor, U: int, function: str) -> Tuple[Tensor, Tensor]:
+    """``(padded, lengths)``: 1-D ``targets`` as ``(B, U)`` padded ones and the lengths
+    clamped to ``[0, U]``, checked as ``function``'s."""
+    return ctc_padded_targets_triton(targets, target_lengths, U, _concatenated_lengths_check(function).code)
+
+
+@_ctc_padded_targets.register_fake
+def _(targets, target_lengths, U, function):
+    return targets.new_empty((target_lengths.shape[0], U)), target_lengths.new_empty(target_lengths.shape)
+
+
+def _padded_targets_on_host(check: validation.ValueCheck, targets: Tensor, target_lengths: Tensor):
+    """``(padded, lengths)`` of 1-D CPU ``targets`` for the padded stage, the lengths checked
+    at once; padded to ``U = max(target_lengths)``, which costs nothing to read here."""
+    N = targets.shape[0]
+    with torch._C._DisableFuncTorch():
+        values = target_lengths.tolist()
+    bad = _first_concatenation_error(values, N)
+    if bad is not None:
+        raise check.error(bad)
+    positions = torch.arange(max(values, default=0))
+    starts = torch.cumsum(target_lengths, 0) - target_lengths
+    source = (starts[:, None] + positions[None, :]).clamp(0, max(N - 1, 0))
+    inside = positions[None, :] < target_lengths[:, None]
+    return torch.where(inside, targets[source], 0).to(targets.dtype), target_lengths
+
+
+class _Batch(NamedTuple):
+    """The targets as every stage takes them."""
+
+    targets: Tensor  # (B, U), padded
+    target_lengths: Tensor  # (B,)
+    #: rows of the aligner's spans: room for each utterance's U tokens, or the N of 1-D targets
+    span_rows: int
+
+
+def _batch_description(function: str, checks: _ValueChecks, targets: Tensor, target_lengths: Tensor,
+                       values: Optional[Tuple[int, ...]], kernels: bool) -> _Batch:
+    """The padded targets of a call to ``function`` whose arguments passed
+    :func:`_check_batch`; ``values`` are the target lengths where they came as a list
+    (checked here, at once: they are host data), ``kernels`` whether the kernels take the
+    tensors (else the padded stage does, on the host)."""
+    B = target_lengths.shape[0]
+    if targets.dim() == 2:
+        U = targets.shape[1]
+        if values is not None:
+            outside = [b for b, length in enumerate(values) if not 0 <= length <= U]
+            if outside:
+                raise checks.target_lengths.error(outside[0])
+        return _Batch(targets, target_lengths, B * U)
+    N = targets.shape[0]
+    check = _concatenated_lengths_check(function)
+    if values is not None:
+        bad = _first_concatenation_error(values, N)
+        if bad is not None:
+            raise check.error(bad)
+    if not kernels:
+        return _Batch(*_padded_targets_on_host(check, targets, target_lengths), N)
+    U = max(values, default=0) if values is not None else N
+    padded, lengths = _ctc_padded_targets(targets, target_lengths, U, function)
+    return _Batch(padded, lengths, N)
 
 
 # ---------------------------------------------------------------------------------------
@@ -228,38 +345,50 @@ _ctc_loss.register_autograd(_backward, setup_context=_setup_context)
 
 
 def _check_arguments(log_probs, cu_seqlens, targets, target_lengths, blank, reduction, zero_infinity,
-                     name: str = "log_probs") -> int:
-    """The checks that need no tensor values; returns ``blank`` as a Python int. ``name``
-    is the argument ``log_probs`` stands for (``"logits"`` for the loss from logits)."""
+                     name: str = "log_probs"):
+    """The checks that need no tensor values: ``(blank, target_lengths, values)``, ``blank``
+    as a Python int and the lengths as :func:`_lengths_argument` gives them. ``name`` is
+    the argument ``log_probs`` stands for (``"logits"`` for the loss from logits)."""
     validation.check_float_tensor(name, log_probs, 2, layout="(T_total, C)")
-    return _check_batch(cu_seqlens, targets, target_lengths, blank, reduction, zero_infinity,
-                        classes=(name, log_probs.shape, log_probs.shape[1]), tensors={name: log_probs})
+    target_lengths, values = _lengths_argument(target_lengths, log_probs.device)
+    blank = _check_batch(cu_seqlens, targets, target_lengths, blank, reduction, zero_infinity,
+                         classes=(name, log_probs.shape, log_probs.shape[1]), tensors={name: log_probs})
+    return blank, target_lengths, values
 
 
-def _check_batch(cu_seqlens, targets, target_lengths, blank, reduction, zero_infinity, *,
+def _check_batch(cu_seqlens, targets, target_lengths, blank, reduction=None, zero_infinity=None, *,
                  classes: Tuple[str, torch.Size, int], tensors: dict) -> int:
-    """The value-free checks of the batch description and the options. ``classes`` is
+    """The value-free checks of the batch description and the options (``reduction`` and
+    ``zero_infinity`` unless ``None``: the aligner has neither). ``classes`` is
     ``(name, shape, C)``: the argument that gives the number of classes, its shape and
-    ``C``; ``tensors`` are the arguments (by name) that must share the first one's device."""
+    ``C``; ``tensors`` are the arguments (by name) that must share the first one's device.
+    ``targets`` may be 2-D padded or 1-D concatenated."""
     validation.check_index_tensor("cu_seqlens", cu_seqlens, 1, layout="(B + 1,)")
-    validation.check_index_tensor("targets", targets, 2, layout="(B, U)")
+    validation.check_index_tensor("targets", targets)
+    if targets.dim() not in (1, 2):
+        raise ValueError(f"targets must be 2-D (B, U) padded or 1-D (sum(target_lengths),) concatenated; "
+                         f"got shape {tuple(targets.shape)}")
     validation.check_index_tensor("target_lengths", target_lengths, 1, layout="(B,)")
     if cu_seqlens.shape[0] < 1:
         raise ValueError("cu_seqlens must have B + 1 >= 1 entries; got an empty tensor")
     B = cu_seqlens.shape[0] - 1
-    if targets.shape[0] != B:
+    if targets.dim() == 2 and targets.shape[0] != B:
         raise ValueError(f"targets must have shape (B={B}, U) to match cu_seqlens; got {tuple(targets.shape)}")
     if target_lengths.shape[0] != B:
         raise ValueError(f"target_lengths must have shape (B={B},) to match cu_seqlens; "
                          f"got {tuple(target_lengths.shape)}")
+    if targets.dim() == 1 and B == 0 and targets.shape[0] != 0:
+        raise ValueError(f"targets must be empty for B = 0 utterances (1-D, sum(target_lengths) ids); "
+                         f"got shape {tuple(targets.shape)}")
     name, shape, C = classes
     if C < 1:
         raise ValueError(f"{name} must have at least one class; got shape {tuple(shape)}")
     blank = validation.integer_argument("blank", blank)
     if not 0 <= blank < C:
         raise ValueError(f"blank must lie in [0, C={C}); got {blank}")
-    validation.check_choice("reduction", reduction, _REDUCTIONS)
-    validation.check_bool("zero_infinity", zero_infinity)
+    if reduction is not None or zero_infinity is not None:
+        validation.check_choice("reduction", reduction, _REDUCTIONS)
+        validation.check_bool("zero_infinity", zero_infinity)
     validation.check_same_device(**tensors, cu_seqlens=cu_seqlens, targets=targets, target_lengths=target_lengths)
     return blank
 
@@ -332,8 +461,16 @@ def packed_ctc_loss(
         cu_seqlens: int32 or int64 ``(B + 1,)``, starting at 0, non-decreasing, ending at
             ``T_total``. Utterances with no frames are allowed.
         targets: int32 or int64 ``(B, U)`` padded target ids in ``[0, C)``; entries at or
-            beyond each target length are ignored.
-        target_lengths: int32 or int64 ``(B,)``, each in ``[0, U]``.
+            beyond each target length are ignored. Or, as ``F.ctc_loss`` takes them, 1-D
+            ``(sum(target_lengths),)``: the targets concatenated (then the lengths must be
+            non-negative and sum to ``targets.shape[0]``). These are padded on the device,
+            to ``U = max(target_lengths)`` where the lengths are a list, else to
+            ``U = targets.shape[0]`` (the widest bound known without a read from the
+            device: the alpha/beta state then grows with the batch's whole label count,
+            so give long batches padded targets or a list of lengths).
+        target_lengths: int32 or int64 ``(B,)``, each in ``[0, U]``; or a list or tuple
+            of ints, copied to ``log_probs``' device without waiting for it (checked at
+            once, being host data).
         blank: the blank class, in ``[0, C)``.
         reduction: ``"none"`` (the ``(B,)`` losses), ``"sum"``, or ``"mean"`` (each loss
             divided by its target length clamped to 1, then averaged over the batch).
@@ -383,13 +520,17 @@ def packed_ctc_loss(
         (torch.Size([]), torch.Size([8, 4]))
     """
     validation.raise_reported()
-    blank = _check_arguments(log_probs, cu_seqlens, targets, target_lengths, blank, reduction, zero_infinity)
+    blank, target_lengths, values = _check_arguments(log_probs, cu_seqlens, targets, target_lengths, blank,
+                                                     reduction, zero_infinity)
     if log_probs.dtype in (torch.float16, torch.bfloat16) and runtime.autocast_enabled(log_probs.device.type):
         log_probs = log_probs.float()
     # the kernels read the offsets and lengths as dense arrays (a strided view is copied once)
     cu_seqlens, target_lengths = cu_seqlens.contiguous(), target_lengths.contiguous()
     traced = is_traced(log_probs, cu_seqlens, targets, target_lengths)
-    if not runtime.on_kernel_device(log_probs):
+    kernels = runtime.on_kernel_device(log_probs)
+    targets, target_lengths, _ = _batch_description("packed_ctc_loss", _CHECKS, targets, target_lengths, values,
+                                                    kernels)
+    if not kernels:
         longest = _padded_length(_CHECKS, traced, log_probs.shape, cu_seqlens, targets, target_lengths)
         return _padded_stage_loss(log_probs, cu_seqlens, targets, target_lengths, blank, reduction,
                                   zero_infinity, longest)

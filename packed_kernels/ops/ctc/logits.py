@@ -40,8 +40,10 @@ from torch import Tensor
 from ... import runtime, validation
 from ...dispatch import is_traced, operator
 from .api import (
+    _batch_description,
     _check_arguments,
     _check_batch,
+    _lengths_argument,
     _loss_is_nll,
     _padded_length,
     _padded_stage_loss,
@@ -319,11 +321,14 @@ def packed_ctc_loss_from_logits(
         torch.Size([8, 4])
     """
     validation.raise_reported()
-    blank = _check_arguments(logits, cu_seqlens, targets, target_lengths, blank, reduction, zero_infinity,
-                             name="logits")
+    blank, target_lengths, values = _check_arguments(logits, cu_seqlens, targets, target_lengths, blank,
+                                                     reduction, zero_infinity, name="logits")
     cu_seqlens, target_lengths = cu_seqlens.contiguous(), target_lengths.contiguous()
     traced = is_traced(logits, cu_seqlens, targets, target_lengths)
-    if not runtime.on_kernel_device(logits):
+    kernels = runtime.on_kernel_device(logits)
+    targets, target_lengths, _ = _batch_description("packed_ctc_loss_from_logits", _LOGITS_CHECKS, targets,
+                                                    target_lengths, values, kernels)
+    if not kernels:
         longest = _padded_length(_LOGITS_CHECKS, traced, logits.shape, cu_seqlens, targets, target_lengths)
         log_probs = logits.to(compute_dtype(logits.dtype)).log_softmax(-1)
         return _padded_stage_loss(log_probs, cu_seqlens, targets, target_lengths, blank, reduction,
@@ -431,6 +436,7 @@ def linear_packed_ctc_loss(
     """
     validation.raise_reported()
     _check_linear(hidden, weight, bias)
+    target_lengths, values = _lengths_argument(target_lengths, hidden.device)
     tensors = dict(hidden=hidden, weight=weight) if bias is None else dict(hidden=hidden, weight=weight, bias=bias)
     blank = _check_batch(cu_seqlens, targets, target_lengths, blank, reduction, zero_infinity,
                          classes=("weight", weight.shape, weight.shape[0]), tensors=tensors)
@@ -442,7 +448,10 @@ def linear_packed_ctc_loss(
     cu_seqlens, target_lengths = cu_seqlens.contiguous(), target_lengths.contiguous()
     traced = is_traced(hidden, weight, bias, cu_seqlens, targets, target_lengths)
     T_total, C = hidden.shape[0], weight.shape[0]
-    if not runtime.on_kernel_device(hidden):
+    kernels = runtime.on_kernel_device(hidden)
+    targets, target_lengths, _ = _batch_description("linear_packed_ctc_loss", _LINEAR_CHECKS, targets,
+                                                    target_lengths, values, kernels)
+    if not kernels:
         longest = _padded_length(_LINEAR_CHECKS, traced, (T_total, C), cu_seqlens, targets, target_lengths)
         with torch.autocast(hidden.device.type, enabled=False):
             log_probs = F.linear(hidden, weight, bias).to(compute_dtype(hidden.dtype)).log_softmax(-1)

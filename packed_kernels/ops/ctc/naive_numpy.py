@@ -15,6 +15,10 @@ target ``l_1 .. l_L``:
   state ``s`` and finish in one of the last two states (emission of frame ``t``
   included, as PyTorch stores it);
 * the loss is ``nll = -log(exp(alpha_{T-1}(S-1)) + exp(alpha_{T-1}(S-2)))``.
+
+Forced alignment (:func:`ctc_align_numpy`) runs the same trellis with the maximum in
+place of the log-sum-exp (:func:`ctc_viterbi_numpy`), then follows the best predecessors
+back from the last frame.
 """
 from __future__ import annotations
 
@@ -27,6 +31,11 @@ __all__ = [
     "ctc_alpha_beta_numpy",
     "ctc_utterance_numpy",
     "ctc_loss_numpy",
+    "ctc_viterbi_numpy",
+    "ctc_align_numpy",
+    "STAY",
+    "ADVANCE",
+    "SKIP",
 ]
 
 NEG_INF = -np.inf
@@ -168,3 +177,102 @@ def ctc_loss_numpy(
         lengths = np.maximum(np.asarray(target_lengths[:B], dtype=np.float64), 1.0)
         return np.asarray((losses / lengths).mean() if B else np.nan), grad
     raise ValueError(f"reduction must be 'none', 'sum' or 'mean', got {reduction!r}")
+
+
+#: A state's predecessor on the best path, as a choice of the Viterbi recursion: the same
+#: state (``s``), the one before (``s - 1``), or two before (``s - 2``, a skipped blank).
+STAY, ADVANCE, SKIP = 0, 1, 2
+
+
+def ctc_viterbi_numpy(
+    log_probs: np.ndarray, target: np.ndarray, blank: int = 0
+) -> Tuple[np.ndarray, np.ndarray]:
+    """The Viterbi variables ``delta`` ``(T, 2L+1)`` of one utterance and each state's
+    choice of predecessor ``(T, 2L+1)`` (:data:`STAY`, :data:`ADVANCE`, :data:`SKIP`).
+
+    The forward recursion of :func:`ctc_alpha_beta_numpy` with the maximum in place of the
+    log-sum-exp: ``delta_t(s)`` is the log-probability of the *best* alignment of the first
+    ``t + 1`` frames that ends in state ``s``::
+
+        delta_0(s) = log_probs[0, l'_s]                  for s in {0, 1}
+        delta_t(s) = log_probs[t, l'_s] + max(delta_{t-1}(s), delta_{t-1}(s-1),
+                                              delta_{t-1}(s-2) if s > 1 and l'_{s-2} != l'_s)
+
+    **Tie rule**: the predecessors are tried in the order stay, ``s - 1``, ``s - 2``, and a
+    later one is taken only if it is strictly greater than the best so far; so on a tie the
+    path stays, and advances by one rather than skipping. (Unreachable states, all
+    predecessors ``-inf``, choose :data:`STAY`.) Row 0 of the choices is :data:`STAY`.
+    """
+    log_probs = np.asarray(log_probs, dtype=np.float64)
+    T = log_probs.shape[0]
+    ext = extended_labels(np.asarray(target, dtype=np.int64), blank)
+    S = len(ext)
+    delta = np.full((T, S), NEG_INF)
+    choices = np.full((T, S), STAY, dtype=np.int64)
+    if T == 0:
+        return delta, choices
+    for s in range(min(2, S)):
+        delta[0, s] = log_probs[0, ext[s]]
+    for t in range(1, T):
+        for s in range(S):
+            best, choice = delta[t - 1, s], STAY
+            if s > 0 and delta[t - 1, s - 1] > best:
+                best, choice = delta[t - 1, s - 1], ADVANCE
+            if s > 1 and ext[s - 2] != ext[s] and delta[t - 1, s - 2] > best:
+                best, choice = delta[t - 1, s - 2], SKIP
+            delta[t, s] = best + log_probs[t, ext[s]]
+            choices[t, s] = choice
+    return delta, choices
+
+
+def ctc_align_numpy(
+    log_probs: np.ndarray, target: np.ndarray, blank: int = 0
+) -> Tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, float]:
+    """The best alignment of one utterance: ``(labels, tokens, scores, spans, log_likelihood)``.
+
+    * ``labels`` ``(T,)``: the class each frame emits on the best path, ``l'_{s_t}``;
+    * ``tokens`` ``(T,)``: the target position ``k`` (0-based) of a frame in label state
+      ``s_t = 2k + 1``, -1 for a frame in a blank state (repeated labels are told apart);
+    * ``scores`` ``(T,)``: ``log_probs[t, labels[t]]``;
+    * ``spans`` ``(L, 2)``: the first and the last frame of each target token;
+    * ``log_likelihood``: the best path's log-probability, ``max(delta_{T-1}(2L), delta_{T-1}(2L-1))``,
+      the sum of the ``scores`` in frame order.
+
+    The path ends in state ``2L`` (a final blank) unless ``2L - 1`` is strictly better
+    (ties end on the blank), then follows each state's choice of :func:`ctc_viterbi_numpy`
+    back to frame 0. With no frames, the log-likelihood is 0 for an empty target and
+    ``-inf`` otherwise. Where no path has a finite score (too few frames for the target,
+    or ``-inf`` log-probabilities in the way) the log-likelihood is ``-inf``, every frame
+    gets ``labels = blank``, ``tokens = -1``, ``scores = -inf``, and every span is
+    ``(-1, -1)``.
+    """
+    log_probs = np.asarray(log_probs, dtype=np.float64)
+    T = log_probs.shape[0]
+    target = np.asarray(target, dtype=np.int64)
+    L = len(target)
+    ext = extended_labels(target, blank)
+    S = len(ext)
+    labels = np.full(T, blank, dtype=np.int64)
+    tokens = np.full(T, -1, dtype=np.int64)
+    scores = np.full(T, NEG_INF)
+    spans = np.full((L, 2), -1, dtype=np.int64)
+    if T == 0:
+        return labels, tokens, scores, spans, (0.0 if L == 0 else NEG_INF)
+    delta, choices = ctc_viterbi_numpy(log_probs, target, blank)
+    state = S - 1
+    if L > 0 and delta[T - 1, S - 2] > delta[T - 1, S - 1]:
+        state = S - 2
+    log_likelihood = float(delta[T - 1, state])
+    if log_likelihood == NEG_INF:
+        return labels, tokens, scores, spans, log_likelihood
+    for t in range(T - 1, -1, -1):
+        labels[t] = ext[state]
+        scores[t] = log_probs[t, ext[state]]
+        if state % 2 == 1:
+            k = (state - 1) // 2
+            tokens[t] = k
+            spans[k, 0] = t
+            if spans[k, 1] < 0:
+                spans[k, 1] = t
+        state -= choices[t, state] if t > 0 else 0
+    return labels, tokens, scores, spans, log_likelihood

@@ -17,6 +17,12 @@ Two steps, one after the other:
    to exactly one utterance, so each program writes its own gradient rows once, with no
    atomics.
 
+Forced alignment (:func:`ctc_align_triton`, :func:`ctc_align_from_logits_triton`) is one
+more kernel, :func:`ctc_viterbi_kernel`, grid ``(B,)``: the same recursion with the maximum
+in place of the log-sum-exp, two bits per state and frame for each state's best
+predecessor, and the walk back through them in the same program. Concatenated (1-D)
+targets are padded on the device first (:func:`ctc_padded_targets_triton`).
+
 From logits (:func:`ctc_logits_forward_triton`, :func:`ctc_logits_backward_triton`) and
 from a linear layer's input (:func:`ctc_linear_forward_triton`,
 :func:`ctc_linear_backward_triton`, chunks of frames at a time), the same two steps run
@@ -50,7 +56,15 @@ __all__ = [
     "CTCGradientConfig",
     "REDUCTION_CODES",
     "compute_dtype",
+    "CTCAlignConfig",
+    "ctc_align_config",
+    "ctc_align_from_logits_triton",
+    "ctc_align_triton",
     "ctc_alpha_beta_pairs_kernel",
+    "choice_words_per_frame",
+    "ctc_concatenated_targets_kernel",
+    "ctc_padded_targets_triton",
+    "ctc_viterbi_kernel",
     "ctc_backward_triton",
     "ctc_forward_config",
     "ctc_forward_triton",
@@ -390,6 +404,27 @@ def ctc_gradient_kernel(
 
 
 @triton.jit
+def _report_batch_values(word_ptr, start_code, order_code, end_code, length_code, id_code,
+                         cu_seqlens_ptr, b, B, T_total, C, U, length, ids, k, L):
+    """The value checks of :data:`CHECK_NAMES` that program ``b`` of a grid of ``max(B, 1)``
+    makes (see :func:`ctc_label_groups_kernel`): ``length`` is ``target_lengths[b]`` as
+    read (0 for ``b >= B``), ``L`` it clamped to ``[0, U]``, ``ids`` the target ids of
+    lanes ``k < L`` as read, in their own dtype."""
+    valid = b < B
+    utterance = k.to(tl.int64) * 0 + b
+    first = k == 0
+    start = tl.load(cu_seqlens_ptr + b)
+    end = tl.load(cu_seqlens_ptr + b + 1, mask=valid, other=0)
+    last = tl.load(cu_seqlens_ptr + B)
+    # (a program's later report overwrites its earlier one)
+    report_violation(word_ptr, id_code, (k < L) & ((ids < 0) | (ids >= C)), utterance)
+    report_violation(word_ptr, length_code, first & valid & ((length < 0) | (length > U)), utterance)
+    report_violation(word_ptr, order_code, first & valid & (end < start), utterance + 1)
+    report_violation(word_ptr, end_code, first & (b == 0) & (last != T_total), utterance * 0 + B)
+    report_violation(word_ptr, start_code, first & (b == 0) & (start != 0), utterance * 0)
+
+
+@triton.jit
 def ctc_label_groups_kernel(
     targets_ptr, stride_tg_b, stride_tg_u,
     target_lengths_ptr, cu_seqlens_ptr,
@@ -435,17 +470,8 @@ def ctc_label_groups_kernel(
     key = _clamp_index(ids, 0, C - 1)
     key = tl.where(k < L, key, tl.where(k == U, blank, C))
     if CHECK:
-        utterance = tl.zeros((BLOCK_K,), dtype=tl.int64) + b
-        first = k == 0
-        start = tl.load(cu_seqlens_ptr + b)
-        end = tl.load(cu_seqlens_ptr + b + 1, mask=valid, other=0)
-        last = tl.load(cu_seqlens_ptr + B)
-        # (a program's later report overwrites its earlier one)
-        report_violation(word_ptr, id_code, (k < L) & ((ids < 0) | (ids >= C)), utterance)
-        report_violation(word_ptr, length_code, first & valid & ((length < 0) | (length > U)), utterance)
-        report_violation(word_ptr, order_code, first & valid & (end < start), utterance + 1)
-        report_violation(word_ptr, end_code, first & (b == 0) & (last != T_total), utterance * 0 + B)
-        report_violation(word_ptr, start_code, first & (b == 0) & (start != 0), utterance * 0)
+        _report_batch_values(word_ptr, start_code, order_code, end_code, length_code, id_code,
+                             cu_seqlens_ptr, b, B, T_total, C, U, length, ids, k, L)
     smaller = tl.zeros((BLOCK_K,), dtype=tl.int32)
     equal_before = tl.zeros((BLOCK_K,), dtype=tl.int32)
     for first_j in range(0, U + 1, BLOCK_J):
@@ -602,6 +628,284 @@ def ctc_logits_gradient_kernel(
     tl.debug_barrier()
     tl.store(grad_rows[:, None] + column * stride_grad_c, label_value.to(grad_ptr.dtype.element_ty), mask=writes)
 
+
+
+# ---------------------------------------------------------------------------------------
+# forced alignment: the Viterbi path
+
+#: The predecessor a trellis state takes on the best path, two bits per state in the
+#: choice words of :func:`ctc_viterbi_kernel`: stay in ``s``, come from ``s - 1``, or from
+#: ``s - 2`` (a skipped blank).
+CHOICE_STAY = tl.constexpr(0)
+CHOICE_ADVANCE = tl.constexpr(1)
+CHOICE_SKIP = tl.constexpr(2)
+#: Trellis states per 32-bit choice word (two bits each).
+STATES_PER_WORD = 16
+_STATES_PER_WORD_IN_KERNELS = tl.constexpr(STATES_PER_WORD)
+
+
+@triton.jit
+def _bitwise_or(a, b):
+    return a | b
+
+
+@runtime.CachedLaunch
+@triton.jit
+def ctc_viterbi_kernel(
+    log_probs_ptr, stride_lp_t, stride_lp_c,
+    cu_seqlens_ptr,
+    targets_ptr, stride_tg_b, stride_tg_u,
+    target_lengths_ptr,
+    choices_ptr, words_per_row,
+    labels_ptr, tokens_ptr, scores_ptr,
+    spans_ptr, span_rows, tail_rows, span_offsets_ptr, log_likelihood_ptr,
+    B, T_total, C, U, blank,
+    word_ptr, start_code, order_code, end_code, length_code, id_code,
+    GATHERED: tl.constexpr,
+    BLOCK_U: tl.constexpr,
+    BLOCK_B: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+):
+    """The best (Viterbi) alignment of one utterance, and its backtrace; grid ``(max(B, 1),)``.
+
+    The trellis of :func:`ctc_alpha_beta_pairs_kernel` with the maximum in place of the
+    log-sum-exp (max-product instead of sum-product). Lane ``k`` holds the blank state
+    ``e_k`` (``s = 2k``) and the label state ``o_k`` (``s = 2k + 1``, label ``l_{k+1}``)::
+
+        e_k <- lp[t, blank]   + max(e_k, o_{k-1})
+        o_k <- lp[t, l_{k+1}] + max(o_k, e_k, o_{k-1} if l_{k+1} != l_k)
+
+    **Tie rule** (that of :func:`~.naive_numpy.ctc_viterbi_numpy`): a predecessor replaces
+    the stay only if strictly greater, and the skip replaces the best of the other two
+    only if strictly greater; so a tie stays, then advances by one rather than skipping.
+    The path ends in state ``2L`` unless ``2L - 1`` is strictly better. Every comparison
+    is exact, so the path is bitwise the same on every run and matches the other stages
+    wherever their scores are equal.
+
+    Each frame's choices (:data:`CHOICE_STAY`, :data:`CHOICE_ADVANCE`, :data:`CHOICE_SKIP`)
+    go to memory as two bits per state: state ``s`` at bits ``2 (s mod 16)`` of word
+    ``s // 16`` of the frame's row of ``ceil((2U + 1) / 16)`` int32 words (lane ``k``'s
+    pair is one nibble; eight lanes make a word). After the last frame the same program
+    walks back from the final state: ``s - choice_t(s)`` is the state at frame ``t - 1``.
+    The next row of words is loaded one frame ahead, so the walk's chain is a select and a
+    shift per frame, not a load. Then a pass over the frames, ``BLOCK_T`` at a time, turns
+    the state ``s`` of frame ``t`` into its label (``l'_s``), token (``(s - 1) / 2`` for
+    odd ``s``, else -1) and score (``lp[t, l'_s]``). A token's span is written by the walk
+    where it enters the token's state (the last frame) and where it leaves it (the first
+    frame), as frames within the utterance, at row ``span_offsets[b] + k`` of ``spans``:
+    ``span_offsets[b]`` is the sum of the target lengths before ``b``, which each program
+    adds up itself (``BLOCK_B`` at a time). The ``span_rows`` rows of ``spans`` may
+    outnumber the tokens (room for ``B U`` of them): each program writes -1 to
+    ``tail_rows`` of the rows after the last token's.
+
+    Where no path has a finite score, the log-likelihood is ``-inf`` and the frames get
+    the blank, token -1 and score ``-inf``, the spans -1; with no frames the
+    log-likelihood is 0 for an empty target and ``-inf`` otherwise. With ``GATHERED``,
+    row ``t`` of ``log_probs`` holds only the ``U + 1`` label columns of
+    :func:`ctc_logits_normaliser_kernel` (column ``k`` for target position ``k``, column
+    ``U`` for the blank). The program also checks the values of ``cu_seqlens``,
+    ``target_lengths`` and ``targets`` (:func:`_report_batch_values`), and clamps every
+    index it reads.
+    """
+    b = tl.program_id(0)
+    valid = b < B
+    NEG_INF: tl.constexpr = float("-inf")
+    BLOCK_W: tl.constexpr = BLOCK_U // 8
+    k = tl.arange(0, BLOCK_U)
+    length = tl.load(target_lengths_ptr + b, mask=valid, other=0)
+    L = _clamp_index(length, 0, U)
+    target_row = targets_ptr + b.to(tl.int64) * stride_tg_b
+    ids = tl.load(target_row + k * stride_tg_u, mask=k < L, other=0)
+    _report_batch_values(word_ptr, start_code, order_code, end_code, length_code, id_code,
+                         cu_seqlens_ptr, b, B, T_total, C, U, length, ids, k, L)
+
+    # the spans of the utterances before this one, and of all of them
+    span_start = tl.zeros((), dtype=tl.int64)
+    span_total = tl.zeros((), dtype=tl.int64)
+    for first in range(0, B, BLOCK_B):
+        others = first + tl.arange(0, BLOCK_B)
+        lengths = _clamp_index(tl.load(target_lengths_ptr + others, mask=others < B, other=0), 0, U).to(tl.int64)
+        span_start += tl.sum(tl.where(others < b, lengths, 0), axis=0)
+        span_total += tl.sum(lengths, axis=0)
+    tl.store(span_offsets_ptr + b + 1, span_start + L, mask=valid)
+    tl.store(span_offsets_ptr + b * 0, span_start * 0, mask=b == 0)
+    # the rows after every target's spans (spans has room for B targets of U labels): -1,
+    # tail_rows of them per program
+    for first in range(0, tail_rows, BLOCK_U):
+        tail = span_total + b.to(tl.int64) * tail_rows + first + k
+        unused = ((first + k) < tail_rows) & (tail < span_rows)
+        tl.store(spans_ptr + tail * 2, tail * 0 - 1, mask=unused)
+        tl.store(spans_ptr + tail * 2 + 1, tail * 0 - 1, mask=unused)
+
+    start = _clamp_index(tl.load(cu_seqlens_ptr + b), 0, T_total)
+    end = _clamp_index(tl.load(cu_seqlens_ptr + b + 1, mask=valid, other=0), start, T_total)
+    n_frames = tl.where(valid, end - start, 0)
+    has_frames = n_frames > 0
+
+    blank_lane = k <= L
+    label_lane = k < L
+    label = tl.where(label_lane, _clamp_index(ids, 0, C - 1), blank)
+    label_before = tl.load(target_row + (k - 1) * stride_tg_u, mask=label_lane & (k >= 1), other=blank)
+    label_before = _clamp_index(label_before, 0, C - 1)
+    can_skip = label_lane & (k >= 1) & (label != label_before)
+    if GATHERED:
+        label_offset = k.to(tl.int64) * stride_lp_c
+        blank_offset = U * stride_lp_c
+    else:
+        label_offset = label.to(tl.int64) * stride_lp_c
+        blank_offset = blank * stride_lp_c
+
+    dtype = scores_ptr.dtype.element_ty
+    first_row = start.to(tl.int64)
+    blank_emit = tl.load(log_probs_ptr + first_row * stride_lp_t + blank_offset, mask=has_frames,
+                         other=NEG_INF).to(dtype)
+    label_emit = tl.load(log_probs_ptr + first_row * stride_lp_t + label_offset,
+                         mask=tl.where(has_frames, label_lane, False), other=NEG_INF).to(dtype)
+    blank_state = tl.where(k == 0, blank_emit, NEG_INF)
+    label_state = tl.where((k == 0) & label_lane, label_emit, NEG_INF)
+    blank_next = tl.load(log_probs_ptr + (first_row + 1) * stride_lp_t + blank_offset, mask=n_frames > 1,
+                         other=NEG_INF).to(dtype)
+    label_next = tl.load(log_probs_ptr + (first_row + 1) * stride_lp_t + label_offset,
+                         mask=tl.where(n_frames > 1, label_lane, False), other=NEG_INF).to(dtype)
+    nibble_shift = 4 * (k % 8)
+    w = tl.arange(0, BLOCK_W)
+    word_store = w < words_per_row
+
+    for t in range(1, n_frames):
+        row = first_row + t
+        blank_emit = blank_next
+        label_emit = label_next
+        ahead = row + 1
+        blank_next = tl.load(log_probs_ptr + ahead * stride_lp_t + blank_offset, mask=t + 1 < n_frames,
+                             other=NEG_INF).to(dtype)
+        label_next = tl.load(log_probs_ptr + ahead * stride_lp_t + label_offset,
+                             mask=tl.where(t + 1 < n_frames, label_lane, False), other=NEG_INF).to(dtype)
+        label_before_state = tl.gather(label_state, tl.maximum(k - 1, 0), 0)
+        label_before_state = tl.where(k >= 1, label_before_state, NEG_INF)
+        # strictly greater: a tie keeps the stay, then the advance
+        blank_advances = label_before_state > blank_state
+        best_blank = tl.where(blank_advances, label_before_state, blank_state)
+        label_advances = blank_state > label_state
+        best_label = tl.where(label_advances, blank_state, label_state)
+        skip = tl.where(can_skip, label_before_state, NEG_INF)
+        label_skips = skip > best_label
+        best_label = tl.where(label_skips, skip, best_label)
+        blank_state = tl.where(blank_lane, best_blank + blank_emit, NEG_INF)
+        label_state = tl.where(label_lane, best_label + label_emit, NEG_INF)
+        label_choice = tl.where(label_skips, CHOICE_SKIP, tl.where(label_advances, CHOICE_ADVANCE, CHOICE_STAY))
+        nibble = (blank_advances.to(tl.int32) | (label_choice.to(tl.int32) << 2)) << nibble_shift
+        words = tl.reduce(tl.reshape(nibble, (BLOCK_W, 8)), 1, _bitwise_or)
+        tl.store(choices_ptr + row * words_per_row + w, words, mask=word_store)
+
+    final_blank = tl.max(tl.where(k == L, blank_state, NEG_INF), axis=0)
+    final_label = tl.max(tl.where(k == L - 1, label_state, NEG_INF), axis=0)
+    ends_on_label = final_label > final_blank
+    best = tl.where(ends_on_label, final_label, final_blank)
+    possible = has_frames & (best > NEG_INF)
+    no_frames = tl.where(L == 0, 0.0, NEG_INF).to(dtype)
+    tl.store(log_likelihood_ptr + b, tl.where(has_frames, best, no_frames), mask=valid)
+    span_rows_of_b = span_start + k
+    tl.store(spans_ptr + span_rows_of_b * 2, span_rows_of_b * 0 - 1,
+             mask=tl.where(possible, False, label_lane & (span_rows_of_b < span_rows)))
+    tl.store(spans_ptr + span_rows_of_b * 2 + 1, span_rows_of_b * 0 - 1,
+             mask=tl.where(possible, False, label_lane & (span_rows_of_b < span_rows)))
+
+    # The walk back reads the choice words that every thread of the program stored above.
+    tl.debug_barrier()
+    # Its chain per frame: select the state's word, shift, subtract. Nothing in it waits for
+    # memory: the words are loaded a frame ahead, and the stores (the frame's state, into
+    # ``tokens`` for now, and the spans) depend on registers only.
+    state = tl.where(ends_on_label, 2 * L - 1, 2 * L)
+    walked = tl.where(possible, n_frames, 0)
+    last_row = first_row + walked - 1
+    words = tl.load(choices_ptr + last_row * words_per_row + w, mask=tl.where(walked > 1, word_store, False),
+                    other=0)
+    entering = possible
+    for i in range(0, walked):
+        t = walked - 1 - i
+        row = first_row + t
+        words_next = tl.load(choices_ptr + (row - 1) * words_per_row + w,
+                             mask=tl.where(t > 1, word_store, False), other=0)
+        tl.store(tokens_ptr + row, state.to(tl.int64))
+        word = tl.sum(tl.where(w == state // _STATES_PER_WORD_IN_KERNELS, words, 0), axis=0)
+        choice = tl.where(t > 0, (word >> (2 * (state % _STATES_PER_WORD_IN_KERNELS))) & 3, CHOICE_STAY)
+        leaving = (t == 0) | (choice != CHOICE_STAY)
+        span_row = span_start + (state - 1) // 2
+        spanned = ((state % 2) == 1) & (span_row < span_rows)
+        tl.store(spans_ptr + span_row * 2 + 1, t.to(tl.int64), mask=spanned & entering)
+        tl.store(spans_ptr + span_row * 2, t.to(tl.int64), mask=spanned & leaving)
+        entering = leaving
+        state = tl.maximum(state - choice, 0)
+        words = words_next
+
+    # Each frame's state to its label, token and score, BLOCK_T frames at a time (each
+    # thread reads back the states it stores over).
+    tl.debug_barrier()
+    for first in range(0, n_frames, BLOCK_T):
+        frames = first + tl.arange(0, BLOCK_T)
+        in_frames = frames < n_frames
+        walked_frames = tl.where(possible, in_frames, False)
+        rows = first_row + frames
+        states = tl.load(tokens_ptr + rows, mask=walked_frames, other=0).to(tl.int32)
+        on_label = walked_frames & ((states % 2) == 1)
+        token = tl.where(on_label, (states - 1) // 2, -1)
+        label_id = tl.load(target_row + token * stride_tg_u, mask=on_label, other=blank)
+        label_id = tl.where(on_label, _clamp_index(label_id, 0, C - 1), blank)
+        if GATHERED:
+            column = tl.where(on_label, token, U)
+        else:
+            column = label_id
+        score = tl.load(log_probs_ptr + rows * stride_lp_t + column.to(tl.int64) * stride_lp_c, mask=walked_frames,
+                        other=NEG_INF).to(dtype)
+        tl.store(labels_ptr + rows, label_id.to(tl.int64), mask=in_frames)
+        tl.store(tokens_ptr + rows, token.to(tl.int64), mask=in_frames)
+        tl.store(scores_ptr + rows, score, mask=in_frames)
+
+
+@runtime.CachedLaunch
+@triton.jit
+def ctc_concatenated_targets_kernel(
+    targets_ptr, stride_targets, N,
+    target_lengths_ptr,
+    padded_ptr, stride_padded,
+    lengths_ptr,
+    B, U,
+    word_ptr, lengths_code,
+    BLOCK_U: tl.constexpr,
+    BLOCK_B: tl.constexpr,
+):
+    """Concatenated targets (``F.ctc_loss``'s 1-D form) to padded ones; grid ``(B,)``.
+
+    Utterance ``b``'s target is ``targets[o_b : o_b + L_b]`` with ``o_b = sum_{j < b} L_j``
+    (each program adds up the lengths before its own, ``BLOCK_B`` at a time)::
+
+        padded[b, k] = targets[o_b + k]     (k < min(L_b, U); 0 beyond)
+        lengths[b]   = min(max(L_b, 0), U)
+
+    It reports ``lengths_code`` at utterance ``b`` where ``L_b < 0``, where
+    ``o_b + L_b > N`` or, for the last utterance, where ``o_b + L_b != N``: the lengths
+    must be non-negative and sum to ``N``. Reads are clamped to ``[0, N)``.
+    """
+    b = tl.program_id(0)
+    offset = tl.zeros((), dtype=tl.int64)
+    for first in range(0, b, BLOCK_B):
+        others = first + tl.arange(0, BLOCK_B)
+        before = tl.load(target_lengths_ptr + others, mask=others < b, other=0).to(tl.int64)
+        offset += tl.sum(tl.maximum(before, 0), axis=0)
+    length = tl.load(target_lengths_ptr + b)
+    end = offset + length
+    lanes = tl.arange(0, BLOCK_U)
+    first_lane = lanes == 0
+    bad = (length < 0) | (end > N) | ((b == B - 1) & (end != N))
+    report_violation(word_ptr, lengths_code, first_lane & bad, lanes.to(tl.int64) * 0 + b)
+    L = tl.minimum(tl.maximum(length, 0), U)
+    tl.store(lengths_ptr + b, L.to(lengths_ptr.dtype.element_ty))
+    row = padded_ptr + b.to(tl.int64) * stride_padded
+    for first in range(0, U, BLOCK_U):
+        k = first + lanes
+        source = tl.minimum(tl.maximum(offset + k, 0), N - 1)
+        ids = tl.load(targets_ptr + source * stride_targets, mask=k < L, other=0)
+        tl.store(row + k, ids, mask=k < U)
 
 
 # ---------------------------------------------------------------------------------------
@@ -1001,3 +1305,128 @@ def ctc_linear_backward_triton(grad_loss, hidden, weight, bias, cu_seqlens, targ
                     grad_bias += dlogits.sum(0, dtype=accumulate)
     cast = (lambda t: None if t is None else t.to(hidden.dtype))
     return grad_hidden, cast(grad_weight), cast(grad_bias)
+
+
+# ---------------------------------------------------------------------------------------
+# forced alignment, and concatenated targets
+
+
+@dataclasses.dataclass(frozen=True)
+class CTCAlignConfig:
+    """Launch choices of :func:`ctc_viterbi_kernel`."""
+
+    #: Lanes of the recursion, one per blank-and-label pair: a power of two covering the
+    #: ``U + 1`` pairs, at least 16 (two choice words).
+    block_labels: int
+    #: Target lengths added up per step for the span offsets (``BLOCK_B``).
+    block_batch: int
+    #: Frames per step of the pass that turns the path's states into the outputs (``BLOCK_T``).
+    block_frames: int
+    num_warps: int
+
+
+def ctc_align_config(B: int, U: int) -> CTCAlignConfig:
+    """The aligner's launch choices for ``B`` utterances and targets padded to ``U`` labels."""
+    block_labels = max(16, runtime.next_power_of_2(U + 1))
+    return CTCAlignConfig(
+        block_labels=block_labels,
+        block_batch=max(16, min(1024, runtime.next_power_of_2(B))),
+        block_frames=128,
+        # as the loss's recursion: one pair per thread keeps a step's chain shortest
+        num_warps=max(1, min(16, block_labels // 32)),
+    )
+
+
+def choice_words_per_frame(U: int) -> int:
+    """Int32 words of choices per packed frame, two bits for each of the ``2U + 1`` states."""
+    return runtime.cdiv(2 * U + 1, STATES_PER_WORD)
+
+
+def _viterbi(log_probs, C: int, cu_seqlens, targets, target_lengths, blank: int, span_rows: int,
+             config: CTCAlignConfig, checks: Sequence[int], gathered: bool):
+    """:func:`ctc_viterbi_kernel` over ``log_probs`` (``(T_total, C)``, or the ``(T_total,
+    U + 1)`` gathered columns); ``C`` is the number of classes the target ids index."""
+    T_total = log_probs.shape[0]
+    B, U = cu_seqlens.shape[0] - 1, targets.shape[1]
+    device = log_probs.device
+    dtype = compute_dtype(log_probs.dtype)
+    labels = torch.empty(T_total, dtype=torch.int64, device=device)
+    tokens = torch.empty(T_total, dtype=torch.int64, device=device)
+    scores = torch.empty(T_total, dtype=dtype, device=device)
+    spans = torch.empty((span_rows, 2), dtype=torch.int64, device=device)
+    span_offsets = torch.empty(B + 1, dtype=torch.int64, device=device)
+    log_likelihood = torch.empty(B, dtype=dtype, device=device)
+    words_per_row = choice_words_per_frame(U)
+    choices = torch.empty((T_total, words_per_row), dtype=torch.int32, device=device)
+    with _kernel_numerics():
+        ctc_viterbi_kernel[(max(B, 1),)](
+            log_probs, log_probs.stride(0), log_probs.stride(1),
+            cu_seqlens,
+            targets, targets.stride(0), targets.stride(1),
+            target_lengths,
+            choices, words_per_row,
+            labels, tokens, scores,
+            spans, span_rows, runtime.cdiv(span_rows, max(B, 1)), span_offsets, log_likelihood,
+            B, T_total, C, U, blank,
+            error_word(device), *checks,
+            GATHERED=gathered,
+            BLOCK_U=config.block_labels,
+            BLOCK_B=config.block_batch,
+            BLOCK_T=config.block_frames,
+            num_warps=config.num_warps,
+        )
+    return labels, tokens, scores, spans, span_offsets, log_likelihood
+
+
+@runtime.on_inputs_device
+def ctc_align_triton(log_probs, cu_seqlens, targets, target_lengths, blank: int, span_rows: int,
+                     config: CTCAlignConfig, checks: Sequence[int]):
+    """The best alignment of every utterance: ``(labels, tokens, scores, spans, span_offsets,
+    log_likelihood)`` (see :func:`~packed_kernels.packed_ctc_align`), one launch of
+    :func:`ctc_viterbi_kernel`, which also checks the values (``checks``: the codes of
+    :data:`CHECK_NAMES`). ``spans`` has ``span_rows`` rows. Working memory: the choice words,
+    ``4 T_total ceil((2U + 1) / 16)`` bytes. ``cu_seqlens`` and ``target_lengths`` must be
+    contiguous."""
+    return _viterbi(log_probs, log_probs.shape[1], cu_seqlens, targets, target_lengths, blank, span_rows,
+                    config, checks, gathered=False)
+
+
+@runtime.on_inputs_device
+def ctc_align_from_logits_triton(logits, cu_seqlens, targets, target_lengths, blank: int, span_rows: int,
+                                 config: CTCAlignConfig, rows_config: CTCGradientConfig, checks: Sequence[int]):
+    """As :func:`ctc_align_triton`, for ``log_softmax(logits)``: the normaliser kernel of
+    the loss from logits (:func:`ctc_logits_normaliser_kernel`) reduces each row to the
+    log-probabilities of its ``U + 1`` label columns, and the Viterbi kernel runs over
+    those. Working memory: ``T_total (U + 2)`` numbers of the computing dtype and the
+    choice words."""
+    T_total, C = logits.shape
+    U = targets.shape[1]
+    dtype = compute_dtype(logits.dtype)
+    lse = torch.empty(T_total, dtype=dtype, device=logits.device)
+    gathered = torch.empty((T_total, U + 1), dtype=dtype, device=logits.device)
+    with _kernel_numerics():
+        _normalise_rows(logits, 0, cu_seqlens, targets, lse, gathered, blank, rows_config)
+    return _viterbi(gathered, C, cu_seqlens, targets, target_lengths, blank, span_rows, config, checks,
+                    gathered=True)
+
+
+@runtime.on_inputs_device
+def ctc_padded_targets_triton(targets, target_lengths, U: int, lengths_code: int):
+    """``(padded, lengths)``: 1-D concatenated ``targets`` as ``(B, U)`` padded ones, and the
+    lengths clamped to ``[0, U]`` (:func:`ctc_concatenated_targets_kernel`, which reports
+    ``lengths_code`` where the lengths are negative or do not sum to ``targets.shape[0]``)."""
+    B, N = target_lengths.shape[0], targets.shape[0]
+    padded = torch.empty((B, U), dtype=targets.dtype, device=targets.device)
+    lengths = torch.empty(B, dtype=target_lengths.dtype, device=targets.device)
+    if B:
+        ctc_concatenated_targets_kernel[(B,)](
+            targets, targets.stride(0), N,
+            target_lengths,
+            padded, padded.stride(0),
+            lengths,
+            B, U,
+            error_word(targets.device), lengths_code,
+            BLOCK_U=min(1024, max(16, runtime.next_power_of_2(U))),
+            BLOCK_B=max(16, min(1024, runtime.next_power_of_2(B))),
+        )
+    return padded, lengths
