@@ -259,7 +259,7 @@ def packed_ctc_align(
         (torch.Size([8]), torch.Size([3, 2]), [0, 2, 3])
     """
     return _alignment_of("packed_ctc_align", _ALIGN_CHECKS, _ctc_align, log_probs, "log_probs", cu_seqlens, targets,
-                  target_lengths, blank, lambda log_probs: log_probs)
+                         target_lengths, blank, lambda log_probs: log_probs)
 
 
 def packed_ctc_align_from_logits(
@@ -291,6 +291,6 @@ def packed_ctc_align_from_logits(
         >>> alignment.tokens.shape, alignment.log_likelihood.shape
         (torch.Size([8]), torch.Size([2]))
     """
-    return _alignment_of("packed_ctc_align_from_logits", _ALIGN_LOGITS_CHECKS, _ctc_align_from_logits, logits, "logits",
-                  cu_seqlens, targets, target_lengths, blank,
-                  lambda logits: logits.to(compute_dtype(logits.dtype)).log_softmax(-1))
+    return _alignment_of("packed_ctc_align_from_logits", _ALIGN_LOGITS_CHECKS, _ctc_align_from_logits, logits,
+                         "logits", cu_seqlens, targets, target_lengths, blank,
+                         lambda logits: logits.to(compute_dtype(logits.dtype)).log_softmax(-1))
