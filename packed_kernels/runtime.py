@@ -227,11 +227,22 @@ def register_cap(cap: Optional[int]) -> dict:
 
 
 def on_kernel_device(tensor: torch.Tensor) -> bool:
-    """Whether the kernels take ``tensor``: it lives on :data:`KERNEL_DEVICE`, or on the
-    ``meta`` device (shapes only). A CPU tensor on a machine whose kernels are compiled
-    for the GPU is not: the public functions compute it through their padded PyTorch
-    stage instead (the persistent LSTM through the ``nn.LSTM`` it wraps)."""
-    return tensor.device.type == KERNEL_DEVICE or tensor.device.type == "meta"
+    """Whether the kernels take ``tensor``: it lives on :data:`KERNEL_DEVICE`, or it has
+    a shape and no values (a ``meta`` tensor, or a fake tensor outside ``torch.compile``,
+    whose custom ops then give shapes by their fake implementations, where the padded
+    stage's value-dependent shapes could not). A CPU tensor on a machine whose kernels are
+    compiled for the GPU is not: the public functions compute it through their padded
+    PyTorch stage instead (the persistent LSTM through the ``nn.LSTM`` it wraps)."""
+    kind = tensor.device.type
+    if kind == KERNEL_DEVICE or kind == "meta":
+        return True
+    return _is_fake(tensor) and not torch.compiler.is_compiling()
+
+
+def _is_fake(tensor: torch.Tensor) -> bool:
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    return isinstance(tensor, FakeTensor)
 
 
 def autocast_enabled(device_type: str) -> bool:

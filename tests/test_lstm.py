@@ -12,13 +12,8 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from torch.nn.utils.rnn import PackedSequence, pack_padded_sequence, pack_sequence
 
 from packed_kernels import Packed, PersistentLSTM, check_errors, pack, runtime, unpack
-from packed_kernels.ops.lstm.api import (
-    _config_as_ints,
-    _config_from_ints,
-    lstm_checked_lengths_op,
-    lstm_checked_packed_op,
-    lstm_recurrence_op,
-)
+from packed_kernels.ops.lstm.api import _config_as_ints, _config_from_ints, lstm_recurrence_op
+from packed_kernels.ops.lstm.inputs import lstm_checked_lengths_op, lstm_checked_packed_op
 from packed_kernels.ops.lstm.naive_numpy import lstm_layer_numpy
 from packed_kernels.ops.lstm.padded_torch import lstm_padded, lstm_weights
 from packed_kernels.ops.lstm.triton_kernels import RecurrenceConfig, RecurrentProduct, StepWait, choose_config

@@ -10,7 +10,7 @@ from torch.nn.utils.rnn import pack_padded_sequence
 
 import packed_kernels as pk
 from packed_kernels import Packed, PersistentLSTM, pack
-from packed_kernels.ops.lstm.api import lstm_checked_lengths_op, lstm_checked_packed_op
+from packed_kernels.ops.lstm.inputs import lstm_checked_lengths_op, lstm_checked_packed_op
 from packed_kernels.ops.lstm.triton_kernels import RecurrenceConfig, RecurrentProduct, StepWait
 
 from lstm_cases import make_lstm

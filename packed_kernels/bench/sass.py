@@ -50,7 +50,7 @@ that launched it; and the cases or compilations that failed.
 
 The workload (see :func:`workload`) covers the shapes that select every default
 configuration: CTC at several B / U / C (C = 29 and C = 1025), float32 and bfloat16,
-each reduction, forward and backward; Sinkhorn at n = 1, 2, 3, 4, 5, 8, 16, 32,
+each reduction, forward and backward, and the forced aligner (from log-probabilities and from logits); Sinkhorn at n = 1, 2, 3, 4, 5, 8, 16, 32,
 float32, bfloat16 and float64, 20 and 40 iterations, the implicit backward (direct
 solve and conjugate gradient) and the unrolled one, and ``sinkhorn_backward``; the
 six segment operations on ``(N,)``, ``(N, 3)`` and ``(N, 64)`` rows, float32,
@@ -111,7 +111,7 @@ GROUPS = ("ctc", "sinkhorn", "segment", "lstm")
 
 #: Public names whose first use imports each subpackage (and its kernels).
 PUBLIC_NAMES = (
-    "packed_ctc_loss", "sinkhorn", "sinkhorn_backward", "segmented_sum", "segmented_mean", "segmented_dot",
+    "packed_ctc_loss", "packed_ctc_align", "sinkhorn", "sinkhorn_backward", "segmented_sum", "segmented_mean", "segmented_dot",
     "segmented_mul", "segmented_rms_norm", "segmented_matvec", "PersistentLSTM", "pack", "unpack",
 )
 
@@ -340,6 +340,23 @@ def _ctc_cases(pk, torch) -> List[Case]:
 
                 label = f"ctc B={B} U={U} C={C} {_dtype_name(dtype)} {reduction} zero_infinity={zero_infinity}"
                 cases.append(Case("ctc", label, run))
+        for dtype in (torch.float32, torch.bfloat16):
+            for from_logits in (False, True):
+                def align(B=B, U=U, C=C, dtype=dtype, from_logits=from_logits):
+                    g = torch.Generator().manual_seed(1000 * B + U)
+                    target_lengths = torch.randint(max(1, U // 2), U + 1, (B,), generator=g)
+                    frames = 2 * target_lengths + 1 + torch.randint(0, 50, (B,), generator=g)
+                    scores = torch.randn(int(frames.sum()), C, generator=g).to(dtype)
+                    targets = torch.randint(1, C, (B, U), generator=g)
+                    if from_logits:
+                        pk.packed_ctc_align_from_logits(scores, pk.cu_seqlens_from_lengths(frames), targets,
+                                                        target_lengths)
+                    else:
+                        pk.packed_ctc_align(scores.log_softmax(-1), pk.cu_seqlens_from_lengths(frames), targets,
+                                            target_lengths)
+
+                label = f"ctc_align B={B} U={U} C={C} {_dtype_name(dtype)} from_logits={from_logits}"
+                cases.append(Case("ctc", label, align))
     return cases
 
 

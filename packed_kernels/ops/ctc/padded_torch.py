@@ -38,6 +38,27 @@ def _logsumexp3(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> torch.Tens
     return torch.where(positive, torch.log(safe) + m, torch.full_like(total, _NEG_INF))
 
 
+def _trellis(log_probs: torch.Tensor, input_lengths, targets, target_lengths, blank: int):
+    """What both recursions share, over a padded batch: ``(B, T, C, S, input_lengths,
+    target_lengths, s, ext, ext_states, can_skip)``. The extended labels ``ext`` are the
+    blank at even states and ``targets[(s - 1) / 2]`` at odd ones (the blank beyond each
+    target); ``can_skip`` marks the states a path may enter from two states back (a label
+    that differs from the label before it)."""
+    B, T, C = log_probs.shape
+    device = log_probs.device
+    S = 2 * targets.shape[1] + 1
+    input_lengths = input_lengths.to(device=device, dtype=torch.long)
+    target_lengths = target_lengths.to(device=device, dtype=torch.long)
+    s = torch.arange(S, device=device)
+    ext = torch.full((B, S), blank, dtype=torch.long, device=device)
+    ext[:, 1::2] = targets.to(device=device, dtype=torch.long).clamp(0, C - 1)
+    ext_states = s[None, :] < (2 * target_lengths[:, None] + 1)
+    ext = torch.where(ext_states, ext, torch.full_like(ext, blank))
+    prev2 = torch.cat([torch.full((B, 2), -1, dtype=torch.long, device=device), ext[:, :-2]], dim=1)[:, :S]
+    can_skip = (s[None, :] > 1) & (ext != prev2)
+    return B, T, C, S, input_lengths, target_lengths, s, ext, ext_states, can_skip
+
+
 def ctc_loss_padded(
     log_probs: torch.Tensor,
     input_lengths: torch.Tensor,
@@ -61,20 +82,9 @@ def ctc_loss_padded(
     Returns:
         ``(B,)`` losses for ``"none"``, otherwise a scalar, in ``log_probs``' dtype.
     """
-    B, T, C = log_probs.shape
+    B, T, C, S, input_lengths, target_lengths, s, ext, ext_states, can_skip = _trellis(
+        log_probs, input_lengths, targets, target_lengths, blank)
     device = log_probs.device
-    U = targets.shape[1]
-    S = 2 * U + 1
-    input_lengths = input_lengths.to(device=device, dtype=torch.long)
-    target_lengths = target_lengths.to(device=device, dtype=torch.long)
-    s = torch.arange(S, device=device)
-    # extended labels: blank at even s, targets[(s - 1) / 2] at odd s
-    ext = torch.full((B, S), blank, dtype=torch.long, device=device)
-    ext[:, 1::2] = targets.to(device=device, dtype=torch.long).clamp(0, C - 1)
-    ext_states = s[None, :] < (2 * target_lengths[:, None] + 1)
-    ext = torch.where(ext_states, ext, torch.full_like(ext, blank))
-    prev2 = torch.cat([torch.full((B, 2), -1, dtype=torch.long, device=device), ext[:, :-2]], dim=1)
-    can_skip = (s[None, :] > 1) & (ext != prev2)
 
     neg_inf = torch.full((B, S), _NEG_INF, dtype=log_probs.dtype, device=device)
     emissions = torch.gather(log_probs, 2, ext[:, None, :].expand(B, T, S)) if T else None
@@ -159,19 +169,9 @@ def ctc_align_padded(
 
 
 def _align(log_probs, input_lengths, targets, target_lengths, blank):
-    B, T, C = log_probs.shape
-    device = log_probs.device
-    U = targets.shape[1]
-    S = 2 * U + 1
-    input_lengths = input_lengths.to(device=device, dtype=torch.long)
-    target_lengths = target_lengths.to(device=device, dtype=torch.long)
-    s = torch.arange(S, device=device)
-    ext = torch.full((B, S), blank, dtype=torch.long, device=device)
-    ext[:, 1::2] = targets.to(device=device, dtype=torch.long).clamp(0, C - 1)
-    ext_states = s[None, :] < (2 * target_lengths[:, None] + 1)
-    ext = torch.where(ext_states, ext, torch.full_like(ext, blank))
-    prev2 = torch.cat([torch.full((B, 2), -1, dtype=torch.long, device=device), ext[:, :-2]], dim=1)[:, :S]
-    can_skip = (s[None, :] > 1) & (ext != prev2)
+    B, T, C, S, input_lengths, target_lengths, s, ext, ext_states, can_skip = _trellis(
+        log_probs, input_lengths, targets, target_lengths, blank)
+    device, U = log_probs.device, targets.shape[1]
 
     neg_inf = torch.full((B, S), _NEG_INF, dtype=log_probs.dtype, device=device)
     emissions = torch.gather(log_probs, 2, ext[:, None, :].expand(B, T, S)) if T else None

@@ -112,6 +112,22 @@ def _logaddexp3(a, b, c):
 
 
 @triton.jit
+def _first_frame_states(row_ptr, blank_offset, label_offset, has_frames, k, label_lane, dtype: tl.constexpr):
+    """The state at an utterance's first frame, ``(blank_state, label_state)`` per lane:
+    the frame's log-probability of the blank in lane 0's blank state and of the first
+    label in its label state, ``-inf`` everywhere else (and everywhere for an utterance
+    without frames). ``row_ptr`` points at the frame's row of log-probabilities."""
+    NEG_INF: tl.constexpr = float("-inf")
+    # (a scalar condition joins a lane mask through tl.where, as in the recursion's masks)
+    blank_emit = tl.load(row_ptr + blank_offset, mask=has_frames, other=NEG_INF).to(dtype)
+    label_emit = tl.load(row_ptr + label_offset, mask=tl.where(has_frames, label_lane, False),
+                         other=NEG_INF).to(dtype)
+    blank_state = tl.where(k == 0, blank_emit, NEG_INF)
+    label_state = tl.where((k == 0) & label_lane, label_emit, NEG_INF)
+    return blank_state, label_state
+
+
+@triton.jit
 def ctc_alpha_beta_pairs_kernel(
     log_probs_ptr, stride_lp_t, stride_lp_c,
     cu_seqlens_ptr,
@@ -188,12 +204,8 @@ def ctc_alpha_beta_pairs_kernel(
     has_frames = n_frames > 0
     # (a scalar condition joins a lane mask through tl.where: the interpreter rejects
     # the broadcast view that `lanes & scalar` gives as a load or store mask)
-    blank_emit = tl.load(log_probs_ptr + first_row * stride_lp_t + blank_offset, mask=has_frames,
-                         other=NEG_INF).to(dtype)
-    label_emit = tl.load(log_probs_ptr + first_row * stride_lp_t + label_offset,
-                         mask=tl.where(has_frames, label_lane, False), other=NEG_INF).to(dtype)
-    blank_state = tl.where(k == 0, blank_emit, NEG_INF)
-    label_state = tl.where((k == 0) & label_lane, label_emit, NEG_INF)
+    blank_state, label_state = _first_frame_states(log_probs_ptr + first_row * stride_lp_t, blank_offset,
+                                                   label_offset, has_frames, k, label_lane, dtype)
     out = state_ptr + first_row * stride_state
     tl.store(out + blank_column, blank_state, mask=tl.where(has_frames, blank_store, False))
     tl.store(out + label_column, label_state, mask=tl.where(has_frames, label_store, False))
@@ -757,12 +769,8 @@ def ctc_viterbi_kernel(
 
     dtype = scores_ptr.dtype.element_ty
     first_row = start.to(tl.int64)
-    blank_emit = tl.load(log_probs_ptr + first_row * stride_lp_t + blank_offset, mask=has_frames,
-                         other=NEG_INF).to(dtype)
-    label_emit = tl.load(log_probs_ptr + first_row * stride_lp_t + label_offset,
-                         mask=tl.where(has_frames, label_lane, False), other=NEG_INF).to(dtype)
-    blank_state = tl.where(k == 0, blank_emit, NEG_INF)
-    label_state = tl.where((k == 0) & label_lane, label_emit, NEG_INF)
+    blank_state, label_state = _first_frame_states(log_probs_ptr + first_row * stride_lp_t, blank_offset,
+                                                   label_offset, has_frames, k, label_lane, dtype)
     blank_next = tl.load(log_probs_ptr + (first_row + 1) * stride_lp_t + blank_offset, mask=n_frames > 1,
                          other=NEG_INF).to(dtype)
     label_next = tl.load(log_probs_ptr + (first_row + 1) * stride_lp_t + label_offset,

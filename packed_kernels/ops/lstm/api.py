@@ -36,13 +36,7 @@ from torch.nn.utils.rnn import PackedSequence
 from ... import dispatch, runtime, validation
 from ...dispatch import EAGER, TRACED
 from ...packing import Packed
-from .inputs import (  # lstm_checked_*_op: every custom op of the LSTM is reachable from here
-    KernelInput,
-    LSTMInput,
-    adapt_input,
-    lstm_checked_lengths_op,
-    lstm_checked_packed_op,
-)
+from .inputs import KernelInput, LSTMInput, adapt_input
 from .module_view import ModuleView, check_lstm, check_supported
 from .padded_torch import DirectionWeights, lstm_weights
 from .triton_kernels import (
