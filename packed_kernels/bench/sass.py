@@ -55,8 +55,9 @@ from logits); Sinkhorn at n = 1, 2, 3, 4, 5, 8, 16, 32, float32, bfloat16 and fl
 20 and 40 iterations, the implicit backward (direct solve and conjugate gradient) and
 the unrolled one, and ``sinkhorn_backward``; the six segment operations on ``(N,)``,
 ``(N, 3)`` and ``(N, 64)`` rows, float32, bfloat16 and float64, short and long segments
-and a tiny input, forward, backward and double backward; ``PersistentLSTM`` (2 layers, bidirectional, packed input) at
-hidden sizes 32, 64, 128, 256 and batches 1, 8, 32, 128, 256 under ``torch.no_grad``.
+and a tiny input, forward, backward and double backward; ``PersistentLSTM`` (2 layers,
+bidirectional, packed input) at hidden sizes 32, 64, 128, 256 and batches 1, 8, 32, 128,
+256 under ``torch.no_grad``.
 Each case runs in its own ``try``; failures are reported at the end. ``--only``
 restricts the workload to some of ``ctc``, ``sinkhorn``, ``segment``, ``lstm``.
 
