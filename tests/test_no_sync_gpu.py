@@ -104,3 +104,22 @@ def test_a_captured_call_reports_on_replay():
     with pytest.raises(ValueError, match=r"segmented_sum: idx must lie in \[0, num_segments\), which fails at row 1"):
         pk.check_errors()
     assert out.shape == (2,)
+
+
+def test_ctc_takes_host_lengths_for_gpu_inputs_without_a_wait():
+    """Target lengths as a list or a CPU tensor beside CUDA log-probabilities: the same loss
+    as a CUDA tensor of lengths, and no synchronisation."""
+    g = torch.Generator(device="cuda").manual_seed(3)
+    log_probs = torch.randn(30, 6, device="cuda", generator=g).log_softmax(-1)
+    cu_seqlens = pk.cu_seqlens_from_lengths(torch.tensor([12, 18], device="cuda"))
+    targets = torch.randint(1, 6, (2, 4), device="cuda", generator=g)
+    want = pk.packed_ctc_loss(log_probs, cu_seqlens, targets, torch.tensor([4, 3], device="cuda"), reduction="none")
+    for lengths in ([4, 3], (4, 3), torch.tensor([4, 3]), torch.tensor([4, 3], dtype=torch.int32)):
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            got = pk.packed_ctc_loss(log_probs, cu_seqlens, targets, lengths, reduction="none")
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+    pk.check_errors()

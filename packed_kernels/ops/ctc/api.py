@@ -141,9 +141,16 @@ def _padded_length(checks: _ValueChecks, traced: bool, shape: Tuple[int, int], c
 
 
 def _lengths_argument(target_lengths, device: torch.device) -> Tuple[object, Optional[Tuple[int, ...]]]:
-    """``(target_lengths, values)``: a list or tuple of ints becomes an int64 tensor on
-    ``device`` (``values`` keeps the ints, host data that needs no read); anything else is
-    returned as it came (``values`` is ``None``), for :func:`_check_batch` to check."""
+    """``(target_lengths, values)``: a list or tuple of ints, or an integer CPU tensor for
+    inputs on a GPU, becomes an int64 tensor on ``device`` (``values`` keeps the ints, host
+    data that needs no read); anything else is returned as it came (``values`` is
+    ``None``), for :func:`_check_batch` to check."""
+    if isinstance(target_lengths, torch.Tensor) and target_lengths.device.type == "cpu" and device.type == "cuda" \
+            and not torch.compiler.is_compiling():
+        # lengths kept on the host for GPU inputs: reading them costs nothing, and they go
+        # over as a list does
+        validation.check_index_tensor("target_lengths", target_lengths, 1, layout="(B,)")
+        target_lengths = target_lengths.tolist()
     if not isinstance(target_lengths, (list, tuple)):
         if not isinstance(target_lengths, torch.Tensor):
             raise TypeError(f"target_lengths must be a torch.Tensor or a list of ints; "
@@ -469,8 +476,8 @@ def packed_ctc_loss(
             device: the alpha/beta state then grows with the batch's whole label count,
             so give long batches padded targets or a list of lengths).
         target_lengths: int32 or int64 ``(B,)``, each in ``[0, U]``; or a list or tuple
-            of ints, copied to ``log_probs``' device without waiting for it (checked at
-            once, being host data).
+            of ints, or a CPU tensor beside GPU ``log_probs``, copied to ``log_probs``'
+            device without waiting for it (checked at once, being host data).
         blank: the blank class, in ``[0, C)``.
         reduction: ``"none"`` (the ``(B,)`` losses), ``"sum"``, or ``"mean"`` (each loss
             divided by its target length clamped to 1, then averaged over the batch).
