@@ -487,8 +487,8 @@ def packed_ctc_loss(
     Returns:
         The loss: ``(B,)`` for ``"none"``, else a scalar; float64 for float64 input,
         float32 otherwise. Its gradient with respect to ``log_probs`` has the dtype of
-        ``log_probs`` and follows PyTorch's convention (see the chapter "CTC loss over packed sequences" of
-        the packed-kernels book, ``book/ctc.ipynb``): it equals the
+        ``log_probs`` and follows PyTorch's convention (see the chapter "CTC loss over
+        packed sequences" of the packed-kernels book, ``book/ctc.ipynb``): it equals the
         gradient of the logits once passed through the ``log_softmax``'s backward.
 
     The padded ``(B, T, C)`` log-probabilities or gradient are never formed. Shapes,

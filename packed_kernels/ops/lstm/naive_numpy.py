@@ -1,7 +1,7 @@
 """The NumPy stage: one LSTM layer, one direction, the cell written out step by step.
 
 This is the reference a reader can check by eye against the equations of the
-chapter. It computes in float64 and knows nothing about batching tricks: one
+chapter "A persistent LSTM recurrence" of the packed-kernels book (``book/lstm.ipynb``). It computes in float64 and knows nothing about batching tricks: one
 sequence, one time step after another.
 """
 from __future__ import annotations
