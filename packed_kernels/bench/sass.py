@@ -227,6 +227,9 @@ def _takes_device(fn) -> bool:
     return any(name == "device" or name.endswith("_device") for name in params)
 
 
+#: Functions that ask for a CUDA device only to move host data there (they select no
+#: kernel configuration), left to see the CPU device.
+_HOST_DATA_FUNCTIONS = {"packed_kernels.ops.ctc.api._lengths_argument"}
 _CUDA_TYPE_TEST = re.compile(r"""\.type\s*(?:!=|==)\s*["']cuda["']|["']cuda["']\s*(?:!=|==)\s*\w+\.type""")
 _TENSOR_TYPE_TEST = re.compile(r"""\w+\.device\.type\s*(?:!=|==)\s*["']cuda["']""")
 
@@ -286,8 +289,8 @@ def simulate_h200() -> List[str]:
                     source = inspect.getsource(value)
                 except (OSError, TypeError):
                     continue
-                if module.__name__.endswith(".validation"):
-                    continue  # the error word: host memory either way, the CPU one here
+                if module.__name__.endswith(".validation") or where in _HOST_DATA_FUNCTIONS:
+                    continue  # host memory and host data either way: the CPU ones here
                 if _takes_device(value) and _CUDA_TYPE_TEST.search(source):
                     replaced[id(value)] = wrapper = _with_cuda_device(value)
                     setattr(module, attr, wrapper)
