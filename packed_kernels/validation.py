@@ -46,6 +46,7 @@ __all__ = [
     "ValueCheck",
     "check_errors",
     "error_word",
+    "raise_flags",
     "raise_reported",
     "report_flags",
     "report_violation",
@@ -319,3 +320,12 @@ def report_flags(check: ValueCheck, flags: torch.Tensor) -> None:
         flags = flags.view(torch.uint8)
     block = min(1024, runtime.next_power_of_2(n))
     _report_flags_kernel[(runtime.cdiv(n, block),)](flags, n, error_word(flags.device), check.code, BLOCK=block)
+
+
+def raise_flags(check: ValueCheck, flags: torch.Tensor, offset: int = 0) -> None:
+    """The host's twin of :func:`report_flags`, for CPU tensors (which cost nothing to
+    read): raise ``check`` at once, at ``offset`` plus the first position where the 1-D
+    ``flags`` are set; nothing if none is."""
+    failing = flags.reshape(-1).nonzero()
+    if failing.numel():
+        raise check.error(offset + int(failing[0, 0]))

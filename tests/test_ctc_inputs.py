@@ -276,3 +276,17 @@ def test_good_arguments_give_the_reference_loss(device, reduction):
         reduction, False)
     assert_close(f"{reduction} loss", loss, torch.from_numpy(np.asarray(expected_loss)), atol=1e-12, rtol=1e-12)
     assert_close(f"{reduction} gradient", grad, torch.from_numpy(expected_grad), atol=1e-12, rtol=1e-10)
+
+
+@pytest.mark.parametrize("cu, where", [([1, 5, 10], "entry 0"), ([0, 6, 5, 10], "entry 2"), ([0, 5, 9], "entry 2"),
+                                       ([3], "entry 0")])
+def test_host_checks_name_the_entry_the_kernels_would(cu, where):
+    """The padded stage's host checks of ``cu_seqlens`` (CPU tensors beside compiled
+    kernels) report each violation at the entry the label-groups kernel names."""
+    from packed_kernels.ops.ctc import api
+
+    B = len(cu) - 1
+    checks = api._value_checks("packed_ctc_loss", "log_probs")
+    with pytest.raises(ValueError, match=f"cu_seqlens .*fails at {where}$"):
+        api._check_values_on_host(checks, torch.tensor(cu), torch.ones(B, 2, dtype=torch.long),
+                                  torch.full((B,), 2), 10, 4)

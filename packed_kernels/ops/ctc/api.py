@@ -105,21 +105,13 @@ def _check_values_on_host(checks: _ValueChecks, cu_seqlens: Tensor, targets: Ten
     # (under a torch.func transform, reading plain tensors' values needs the transforms
     # switched off for the read)
     with torch._C._DisableFuncTorch():
-        if int(cu_seqlens[0]) != 0:
-            raise checks.cu_seqlens_start.error(0)
-        descents = (cu_seqlens[1:] < cu_seqlens[:-1]).nonzero()
-        if descents.numel():
-            raise checks.cu_seqlens_order.error(int(descents[0, 0]) + 1)
         B = cu_seqlens.shape[0] - 1
-        if int(cu_seqlens[B]) != T_total:
-            raise checks.cu_seqlens_end.error(B)
-        outside = ((target_lengths < 0) | (target_lengths > U)).nonzero()
-        if outside.numel():
-            raise checks.target_lengths.error(int(outside[0, 0]))
+        validation.raise_flags(checks.cu_seqlens_start, cu_seqlens[:1] != 0)
+        validation.raise_flags(checks.cu_seqlens_order, cu_seqlens[1:] < cu_seqlens[:-1], offset=1)
+        validation.raise_flags(checks.cu_seqlens_end, cu_seqlens[B:] != T_total, offset=B)
+        validation.raise_flags(checks.target_lengths, (target_lengths < 0) | (target_lengths > U))
         in_target = torch.arange(U)[None, :] < target_lengths.clamp(0, U)[:, None]
-        outside = (((targets < 0) | (targets >= C)) & in_target).any(1).nonzero()
-        if outside.numel():
-            raise checks.targets.error(int(outside[0, 0]))
+        validation.raise_flags(checks.targets, (((targets < 0) | (targets >= C)) & in_target).any(1))
 
 
 def _padded_length(checks: _ValueChecks, traced: bool, shape: Tuple[int, int], cu_seqlens: Tensor,

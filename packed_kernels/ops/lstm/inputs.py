@@ -86,9 +86,7 @@ def _report(violations: List[Tuple[validation.ValueCheck, Tensor]], on_host: boo
     so the first check is reported last: where several fail, it is the one raised."""
     if on_host:
         for check, flags in violations:
-            failing = flags.nonzero()
-            if failing.numel():
-                raise check.error(int(failing[0, 0]))
+            validation.raise_flags(check, flags)
     else:
         for check, flags in reversed(violations):
             _report_flags(check, flags)

@@ -170,12 +170,8 @@ def _(idx, num_segments, range_code, order_code):
 def _check_idx_on_host(idx: Tensor, num_segments: int, function: str) -> None:
     """The value checks of a CPU ``idx`` that the padded stage computes (no kernel runs)."""
     in_range, in_order = _idx_checks(function)
-    outside = ((idx < 0) | (idx >= num_segments)).nonzero()
-    if outside.numel():
-        raise in_range.error(int(outside[0, 0]))
-    descents = (idx[1:] < idx[:-1]).nonzero()
-    if descents.numel():
-        raise in_order.error(int(descents[0, 0]) + 1)
+    validation.raise_flags(in_range, (idx < 0) | (idx >= num_segments))
+    validation.raise_flags(in_order, idx[1:] < idx[:-1], offset=1)
 
 
 def _check_idx(idx, n_rows: int, num_segments: int, rows_name: str, function: str, mode: str) -> Tensor:
