@@ -104,3 +104,79 @@ def environment_info(results_dir: Optional[str] = None) -> Optional[dict]:
         return None
     with open(path) as fh:
         return json.load(fh)
+
+
+# --- numbers in prose, and figures a reader can read -------------------------------------------
+
+#: Width (CSS px) of the book's text column at a 1280 px window: a figure wider than this
+#: is scaled down to it, and its text with it.
+BOOK_COLUMN_PX = 740
+#: The smallest text a figure may show, in CSS px at the size the page shows it.
+MIN_TEXT_PX = 11.0
+
+
+class GluedText:
+    """A value shown in prose exactly as formatted: ``repr`` gives the text, so myst-nb's
+    ``{glue}`` role pastes ``1.6`` rather than ``'1.6'``."""
+
+    def __init__(self, text: str):
+        self.text = text
+
+    def __repr__(self) -> str:
+        return self.text
+
+
+def glue_number(name: str, value, fmt: str = ".2g", suffix: str = "") -> str:
+    """Format ``value`` with ``fmt`` (plus ``suffix``, e.g. ``"×"`` or ``" ms"``) and glue
+    it under ``name`` for the chapter's prose (``{glue}`name```); returns the text.
+
+    Every number a chapter's prose states goes through here, from the recorded results,
+    so that the prose and the figures cannot disagree."""
+    text = f"{value:{fmt}}{suffix}"
+    try:
+        from myst_nb import glue
+    except ImportError:  # outside the book build: nothing to paste into
+        return text
+    glue(name, GluedText(text), display=False)
+    return text
+
+
+def book_style() -> dict:
+    """matplotlib settings for the book's figures: text large enough to read once the
+    figure is scaled to the text column (see :func:`check_figure_text`)."""
+    return {
+        "font.size": 12.5, "axes.titlesize": 13, "axes.labelsize": 12.5, "xtick.labelsize": 12,
+        "ytick.labelsize": 12, "legend.fontsize": 12, "figure.titlesize": 13,
+        "axes.spines.top": False, "axes.spines.right": False,
+    }
+
+
+def figure_text_px(fig, column_px: float = BOOK_COLUMN_PX) -> list:
+    """``(px, text)`` for every visible text of ``fig``: its size in CSS px once the
+    figure, saved at its dpi with a tight bounding box, is shown at most ``column_px``
+    wide."""
+    fig.canvas.draw()
+    renderer = fig.canvas.get_renderer()
+    width_px = fig.get_tightbbox(renderer).width * fig.dpi
+    scale = min(1.0, column_px / width_px) if width_px > 0 else 1.0
+    sizes = []
+    for text in fig.findobj(lambda a: hasattr(a, "get_fontsize") and hasattr(a, "get_text")):
+        if text.get_visible() and text.get_text().strip():
+            sizes.append((text.get_fontsize() * fig.dpi / 72.0 * scale, text.get_text()))
+    return sizes
+
+
+def check_figure_text(fig, column_px: float = BOOK_COLUMN_PX, min_px: float = MIN_TEXT_PX) -> None:
+    """Raise ``ValueError`` if any text of ``fig`` would show smaller than ``min_px``."""
+    small = [(round(px, 1), text) for px, text in figure_text_px(fig, column_px) if px < min_px - 1e-6]
+    if small:
+        raise ValueError(f"figure text below {min_px} px at {column_px} px wide: {small[:5]}")
+
+
+def show_figure(fig) -> None:
+    """Lay ``fig`` out, check that its text is readable at the page's size, and show it."""
+    import matplotlib.pyplot as plt
+
+    fig.tight_layout()
+    check_figure_text(fig)
+    plt.show()
