@@ -1,6 +1,8 @@
 """The benchmark harness's bookkeeping, without a GPU: choosing providers with
 ``--only`` and merging re-measured rows into the recorded ones."""
 import pandas as pd
+import pytest
+import torch
 
 from packed_kernels.bench.harness import Case, merge_rows, provider_label, read_rows, select, write_rows
 from packed_kernels.bench.report import describe_run
@@ -67,9 +69,44 @@ def test_every_model_workload_has_eager_and_replayed_providers():
     from packed_kernels.bench import models
 
     cases = list(models.cases())
-    assert {c.workload for c in cases} == {"potential", "mhc", "ctc_head"}
+    assert {c.workload for c in cases} == {"potential", "mhc", "ctc_head", "segmentation"}
     for case in cases:
         names = set(case.providers)
         assert {n.rsplit("_", 1)[0] for n in names if n.endswith("_eager")} == {
             n.rsplit("_", 1)[0] for n in names if n.endswith("_graph")}, case.workload
         assert any(n.endswith("_compiled") for n in names), case.workload
+
+
+def test_segmentation_workload_runs_both_models_alike(monkeypatch):
+    from packed_kernels.bench import models
+
+    monkeypatch.setattr(models, "DEVICE", "cpu")
+    monkeypatch.setattr(models, "_SEGMENTATION", dict(frames=7, features=5, hidden=4, layers=2))
+    got = models._segmentation_provider("triton", "eager", 2)()()
+    want = models._segmentation_provider("cudnn", "eager", 2)()()
+    torch.testing.assert_close(got[0], want[0], atol=1e-5, rtol=1e-5)
+
+
+def test_glued_numbers_and_figure_text():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from packed_kernels.bench import report
+
+    assert report.glue_number("x", 1.2345, ".2f", "×") == "1.23×"
+    assert repr(report.GluedText("0.59 µs")) == "0.59 µs"
+    with plt.rc_context(report.book_style()):
+        fig, ax = plt.subplots(figsize=(8, 4))
+        ax.bar([0, 1], [1, 2])
+        ax.set_xlabel("shape")
+        report.check_figure_text(fig)
+        ax.text(0, 1, "small", fontsize=6)
+        with pytest.raises(ValueError, match="small"):
+            report.check_figure_text(fig)
+        # the same text drawn on a figure twice the column's width shrinks with it
+        fig.set_size_inches(2 * report.BOOK_COLUMN_PX / fig.dpi, 4)
+        sizes = dict((t, px) for px, t in report.figure_text_px(fig))
+        assert 0.5 < sizes["shape"] / (12.5 * fig.dpi / 72) < 0.7
+    plt.close("all")

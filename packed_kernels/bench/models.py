@@ -21,6 +21,9 @@ write.
 * ``ctc_head``: a CTC head at small batches, ``packed_ctc_loss`` forward and backward,
   B = 8 and 16, T = 200 and 400 frames, 128 classes, targets of T / 5, against
   ``F.ctc_loss`` on the padded batch.
+* ``segmentation``: pyannote's segmentation model at inference, a 4-layer bidirectional
+  LSTM of 128 units over 589 frames of 60 features (10 s chunks), 1, 8 and 32 chunks,
+  ``PersistentLSTM`` against ``nn.LSTM`` (cuDNN), under ``no_grad``.
 """
 from __future__ import annotations
 
@@ -36,6 +39,8 @@ _TOKENS = (1 << 12, 1 << 14, 1 << 16)
 _CTC_SHAPES = ((8, 200), (16, 200), (8, 400), (16, 400))
 _CTC_CLASSES = 128
 _SINKHORN_ITERS = 20
+_CHUNKS = (1, 8, 32)
+_SEGMENTATION = dict(frames=589, features=60, hidden=128, layers=4)
 
 
 def _captured(step: Callable[[], object]) -> Callable[[], None]:
@@ -188,6 +193,31 @@ def _ctc_provider(provider: str, mode: str, B: int, T: int):
     return factory
 
 
+# --- pyannote's segmentation model ---------------------------------------------------------------
+
+def _segmentation_provider(provider: str, mode: str, chunks: int):
+    def factory():
+        import packed_kernels as pk
+
+        shape = _SEGMENTATION
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(5)
+            lstm = torch.nn.LSTM(shape["features"], shape["hidden"], num_layers=shape["layers"],
+                                 bidirectional=True, batch_first=True).to(DEVICE).eval()
+        g = torch.Generator(device=DEVICE).manual_seed(5)
+        frames = torch.randn(chunks, shape["frames"], shape["features"], device=DEVICE, generator=g)
+        model = pk.PersistentLSTM.from_torch(lstm) if provider == "triton" else lstm
+
+        def step():
+            with torch.no_grad():
+                return model(frames)
+
+        if mode == "compiled":
+            return torch.compile(step)
+        return _timed(step, mode)
+    return factory
+
+
 def cases() -> Iterable[Case]:
     modes = ("eager", "graph")
     for molecules in _MOLECULES:
@@ -202,6 +232,10 @@ def cases() -> Iterable[Case]:
         providers = {f"{p}_{m}": _ctc_provider(p, m, B, T) for p in ("triton", "torch") for m in modes}
         providers["torch_compiled"] = _ctc_provider("torch", "compiled", B, T)
         yield Case("ctc_head", {"size": B * T, "B": B, "T": T}, providers)
+    for chunks in _CHUNKS:
+        providers = {f"{p}_{m}": _segmentation_provider(p, m, chunks) for p in ("triton", "cudnn") for m in modes}
+        providers["cudnn_compiled"] = _segmentation_provider("cudnn", "compiled", chunks)
+        yield Case("segmentation", {"size": chunks}, providers)
 
 
 def provider_names() -> List[str]:
