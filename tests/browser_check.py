@@ -2,12 +2,17 @@
 reader would trip over.
 
 Usage: ``python tests/browser_check.py [_build/html] [--screenshots DIR]``. Every page of
-the built book is opened at 1280 x 900 px, after MathJax has typeset it, and checked for:
+the built book is opened at 1280 x 900 px and at a 390 px phone's width, after MathJax has
+typeset it, and checked for:
 
 * TeX left untypeset (``\\(``, ``\\[``, ``$$`` or ``\\begin{`` in the page's text);
-* code, output, maths, tables or figures wider than the text column;
-* broken images, and images without a caption;
-* plotting code left visible (matplotlib calls in a code cell the reader sees).
+* maths, tables or figures wider than the text column, and code or output blocks that
+  run past it instead of scrolling inside it;
+* code blocks that wrap their lines (a wrapped line breaks Python's indentation);
+* a page wider than the window (at 390 px, a phone scrolls sideways);
+* broken images, images without a caption, and alt text that is a file name;
+* plotting code left visible (matplotlib calls in a code cell the reader sees);
+* on a chapter: more than 2,500 words of prose, or more than 8 timings stated in it.
 
 Prints one line per problem and exits 1 if there is any. The browser is the system's
 Chromium (``/usr/bin/chromium``, or ``CHROMIUM``), driven by playwright; nothing is
@@ -22,6 +27,9 @@ import os
 import pathlib
 import sys
 import threading
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+import book_rules  # noqa: E402
 
 _SKIP_PAGES = {"genindex.html", "search.html", "py-modindex.html"}
 
@@ -61,11 +69,23 @@ _CHECKS_JS = r"""
     if (!visible(el) || getComputedStyle(el).display.startsWith("inline")) continue;
     const box = el.getBoundingClientRect();
     const inner = el.tagName === "MJX-CONTAINER" ? el.firstElementChild : null;
-    const width = inner ? inner.getBoundingClientRect().width : Math.max(box.width, el.scrollWidth);
-    if (box.left + width > column.right + 2 || el.scrollWidth > el.clientWidth + 2) {
+    const scrolls = el.tagName === "PRE" && ["auto", "scroll"].includes(getComputedStyle(el).overflowX);
+    const width = inner ? inner.getBoundingClientRect().width : (scrolls ? box.width : Math.max(box.width, el.scrollWidth));
+    if (box.left + width > column.right + 2 || (!scrolls && el.scrollWidth > el.clientWidth + 2)) {
       problems.push("wider than the text column (" + Math.round(width) + " > " +
                     Math.round(column.right - box.left) + " px): " + describe(el));
     }
+  }
+  // 2b. code blocks scroll, never wrap
+  for (const pre of article.querySelectorAll("div.highlight pre")) {
+    if (visible(pre) && getComputedStyle(pre).whiteSpace !== "pre") {
+      problems.push("code block wraps its lines (white-space: " + getComputedStyle(pre).whiteSpace + "): " + describe(pre));
+    }
+  }
+  // 2c. the page fits the window
+  const pageWidth = document.documentElement.scrollWidth;
+  if (pageWidth > window.innerWidth + 1) {
+    problems.push("page wider than the window (" + pageWidth + " > " + window.innerWidth + " px)");
   }
   // 3. images: loaded, and captioned
   for (const img of article.querySelectorAll("img")) {
@@ -75,6 +95,10 @@ _CHECKS_JS = r"""
     const caption = figure && figure.querySelector("figcaption");
     if (!caption || !caption.innerText.trim()) {
       problems.push("image without a caption: " + (img.getAttribute("src") || "").split("/").pop());
+    }
+    const alt = (img.getAttribute("alt") || "").trim();
+    if (!alt || /\.(png|svg|jpe?g|gif|webp)$/i.test(alt) || /^[\w.\/-]+$/.test(alt)) {
+      problems.push("alt text is not a description: '" + alt.slice(0, 60) + "'");
     }
   }
   // 4. plotting code a reader sees
@@ -87,6 +111,29 @@ _CHECKS_JS = r"""
   return [...new Set(problems)];
 }
 """
+
+# Runs in the page; returns the text of its prose: paragraphs and list items outside
+# code, outputs, figures, tables and the closing References section, with maths left out.
+_PROSE_JS = r"""
+() => {
+  const article = document.querySelector("article.bd-article") || document.querySelector("main") || document.body;
+  const references = [...article.querySelectorAll("section")].find(
+    (s) => /^References/.test((s.querySelector("h1, h2, h3") || {}).innerText || ""));
+  const parts = [];
+  for (const el of article.querySelectorAll("p, li, dt, dd")) {
+    if (el.closest("figure, table, div.cell_output, div.highlight, nav, dl.glossary, div.admonition.seealso")) continue;
+    if (references && references.contains(el)) continue;
+    if (el.tagName === "LI" && el.querySelector("p")) continue;  // its paragraphs count
+    const copy = el.cloneNode(true);
+    copy.querySelectorAll("mjx-container, ul, ol").forEach((n) => n.remove());
+    parts.push(copy.textContent);
+  }
+  return parts.join("\n");
+}
+"""
+
+_CHAPTERS = {"book/ctc.html", "book/sinkhorn.html", "book/segment_ops.html", "book/lstm.html"}
+_VIEWPORTS = ((1280, 900), (390, 844))
 
 _TYPESET_JS = """
 async () => {
@@ -128,26 +175,40 @@ def check(root: pathlib.Path, screenshots: pathlib.Path | None) -> int:
             executable_path=executable, headless=True,
             args=["--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-component-update",
                   "--disable-sync", "--no-first-run", "--disable-quic"])
-        page = browser.new_page(viewport={"width": 1280, "height": 900})
-        # the book must not need a network: any request off this machine fails the page
-        offline: list = []
-        page.route("**/*", lambda route: route.continue_() if route.request.url.startswith(base)
-                   or route.request.url.startswith("data:") else (offline.append(route.request.url), route.abort()))
-        for relative in pages(root):
-            offline.clear()
-            page.goto(f"{base}/{relative.as_posix()}", wait_until="networkidle")
-            page.evaluate(_TYPESET_JS)
-            problems = page.evaluate(_CHECKS_JS)
-            problems += [f"request off the machine: {url}" for url in dict.fromkeys(offline)]
-            if screenshots is not None:
-                screenshots.mkdir(parents=True, exist_ok=True)
-                page.screenshot(path=str(screenshots / (relative.as_posix().replace("/", "_") + ".png")),
-                                full_page=True)
-            status = "ok" if not problems else f"{len(problems)} problem(s)"
-            print(f"{relative}: {status}")
-            for problem in problems:
-                print(f"    {problem}")
-            failures += len(problems)
+        for width, height in _VIEWPORTS:
+            page = browser.new_page(viewport={"width": width, "height": height})
+            # the book must not need a network: any request off this machine fails the page
+            offline: list = []
+            page.route("**/*", lambda route, offline=offline: route.continue_()
+                       if route.request.url.startswith(base) or route.request.url.startswith("data:")
+                       else (offline.append(route.request.url), route.abort()))
+            for relative in pages(root):
+                offline.clear()
+                page.goto(f"{base}/{relative.as_posix()}", wait_until="networkidle")
+                page.evaluate(_TYPESET_JS)
+                problems = page.evaluate(_CHECKS_JS)
+                problems += [f"request off the machine: {url}" for url in dict.fromkeys(offline)]
+                note = ""
+                if relative.as_posix() in _CHAPTERS and width == _VIEWPORTS[0][0]:
+                    prose = page.evaluate(_PROSE_JS)
+                    words = book_rules.words(prose)
+                    timings = book_rules.TIMING.findall(prose)
+                    note = f" ({words} words of prose, {len(timings)} timings)"
+                    if words > book_rules.MAX_PROSE_WORDS:
+                        problems.append(f"{words} words of prose (at most {book_rules.MAX_PROSE_WORDS})")
+                    if len(timings) > book_rules.MAX_TIMINGS_IN_PROSE:
+                        problems.append(f"{len(timings)} timings in prose (at most "
+                                        f"{book_rules.MAX_TIMINGS_IN_PROSE}): {timings}")
+                if screenshots is not None:
+                    screenshots.mkdir(parents=True, exist_ok=True)
+                    name = relative.as_posix().replace("/", "_")
+                    page.screenshot(path=str(screenshots / f"{name}.{width}.png"), full_page=True)
+                status = "ok" if not problems else f"{len(problems)} problem(s)"
+                print(f"{relative} at {width} px: {status}{note}")
+                for problem in problems:
+                    print(f"    {problem}")
+                failures += len(problems)
+            page.close()
         browser.close()
     server.shutdown()
     return failures

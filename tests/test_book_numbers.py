@@ -11,7 +11,7 @@ import pytest
 
 import book_rules as rules
 
-PAGES = [rules.BOOK / f"{c}.ipynb" for c in rules.CHAPTERS] + [rules.BOOK / "intro.md"]
+PAGES = [rules.BOOK / f"{c}.ipynb" for c in rules.CHAPTERS] + [rules.BOOK / "intro.ipynb"]
 
 
 @pytest.mark.parametrize("page", PAGES, ids=lambda p: p.name)
