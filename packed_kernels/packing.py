@@ -41,6 +41,20 @@ class Packed(NamedTuple):
         cu_seqlens: int32 ``(B + 1,)``; ``cu_seqlens[0] == 0``,
             ``cu_seqlens[b + 1] - cu_seqlens[b] == lengths[b]``.
         lengths: int64 ``(B,)``, the length of each sequence.
+
+    Build one with :func:`pack` from a padded batch, or with :meth:`from_nested` or
+    :meth:`from_packed_sequence` from the other layouts of the same batch.
+
+    Example:
+        >>> import torch
+        >>> import packed_kernels as pk
+        >>> nested = torch.nested.nested_tensor([torch.tensor([1.0, 2.0, 3.0]), torch.tensor([4.0])],
+        ...                                     layout=torch.jagged)  # lengths 3 and 1
+        >>> packed = pk.Packed.from_nested(nested)
+        >>> packed
+        Packed(data=tensor([1., 2., 3., 4.]), cu_seqlens=tensor([0, 3, 4], dtype=torch.int32), lengths=tensor([3, 1]))
+        >>> packed.batch_size, packed.to_packed_sequence().data  # time-major: frame 0 of both first
+        (2, tensor([1., 4., 2., 3.]))
     """
 
     data: torch.Tensor
@@ -151,8 +165,9 @@ def cu_seqlens_from_lengths(lengths: Lengths) -> torch.Tensor:
     ``lengths``: a 1-D integer tensor or a list of ints, none negative.
 
     Example:
-        >>> cu_seqlens_from_lengths([3, 0, 2]).tolist()
-        [0, 3, 3, 5]
+        >>> import packed_kernels as pk
+        >>> pk.cu_seqlens_from_lengths([3, 0, 2])  # sequence b is rows cu[b]:cu[b + 1]
+        tensor([0, 3, 3, 5], dtype=torch.int32)
     """
     lengths = _lengths_tensor("lengths", lengths)
     cu = torch.zeros(lengths.numel() + 1, dtype=torch.int32, device=lengths.device)
@@ -165,8 +180,9 @@ def segment_ids_from_lengths(lengths: Lengths, *, dtype: torch.dtype = torch.int
     the segment operations take (``num_segments = len(lengths)``).
 
     Example:
-        >>> segment_ids_from_lengths([2, 0, 3]).tolist()
-        [0, 0, 2, 2, 2]
+        >>> import packed_kernels as pk
+        >>> pk.segment_ids_from_lengths([2, 0, 3])  # one id per row; segment 1 is empty
+        tensor([0, 0, 2, 2, 2], dtype=torch.int32)
     """
     lengths = _lengths_tensor("lengths", lengths)
     if dtype not in (torch.int32, torch.int64):
@@ -180,8 +196,10 @@ def segment_ids_from_cu_seqlens(cu_seqlens: torch.Tensor, *, dtype: torch.dtype 
     do not decrease.
 
     Example:
-        >>> segment_ids_from_cu_seqlens(torch.tensor([0, 1, 3])).tolist()
-        [0, 1, 1]
+        >>> import torch
+        >>> import packed_kernels as pk
+        >>> pk.segment_ids_from_cu_seqlens(torch.tensor([0, 1, 3]), dtype=torch.int64)  # lengths 1, 2
+        tensor([0, 1, 1])
     """
     check_index_tensor("cu_seqlens", cu_seqlens, 1, "(B + 1,)")
     if cu_seqlens.numel() < 1:
@@ -201,9 +219,17 @@ def pack(padded: torch.Tensor, lengths: Lengths) -> Packed:
     Frames beyond each length are dropped. Zero-length sequences are allowed.
 
     Example:
-        >>> packed = pack(torch.arange(8.0).view(2, 4), [3, 1])
-        >>> packed.data.tolist(), packed.cu_seqlens.tolist()
-        ([0.0, 1.0, 2.0, 4.0], [0, 3, 4])
+        >>> import torch
+        >>> import packed_kernels as pk
+        >>> padded = torch.arange(12.0).view(2, 3, 2)  # (B, T, features) = (2, 3, 2)
+        >>> packed = pk.pack(padded, [3, 1])  # the last two frames of sequence 1 are padding
+        >>> packed.data  # (3 + 1, 2)
+        tensor([[0., 1.],
+                [2., 3.],
+                [4., 5.],
+                [6., 7.]])
+        >>> packed.cu_seqlens, packed.lengths
+        (tensor([0, 3, 4], dtype=torch.int32), tensor([3, 1]))
     """
     check_tensor("padded", padded)
     if padded.dim() < 2:
@@ -227,8 +253,15 @@ def unpack(packed: Packed, total_length: Optional[int] = None, padding_value: fl
     ``packed.cu_seqlens`` must agree with ``packed.lengths``.
 
     Example:
-        >>> unpack(pack(torch.arange(8.0).view(2, 4), [3, 1]), total_length=4, padding_value=-1).tolist()
-        [[0.0, 1.0, 2.0, -1.0], [4.0, -1.0, -1.0, -1.0]]
+        >>> import torch
+        >>> import packed_kernels as pk
+        >>> packed = pk.pack(torch.arange(8.0).view(2, 4), [3, 1])  # data: 0, 1, 2 and 4
+        >>> pk.unpack(packed)  # T = the longest length, 3
+        tensor([[0., 1., 2.],
+                [4., 0., 0.]])
+        >>> pk.unpack(packed, total_length=4, padding_value=-1)
+        tensor([[ 0.,  1.,  2., -1.],
+                [ 4., -1., -1., -1.]])
     """
     if not isinstance(packed, Packed):
         raise TypeError(f"packed must be a Packed; got {type(packed).__name__}")

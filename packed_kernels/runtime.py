@@ -66,10 +66,17 @@ if "TRITON_INTERPRET" not in os.environ and not torch.cuda.is_available():
     if "triton" in sys.modules:
         _interpret_triton_language()
 
-#: True when the Triton kernels run through the interpreter on CPU tensors.
+#: Whether the Triton kernels run through Triton's interpreter, on CPU tensors, rather
+#: than compiled for a GPU. Fixed when the package is imported: ``False`` on a machine
+#: with a CUDA GPU (the kernels compile and take CUDA tensors), ``True`` on one without
+#: (CPU-only CI, a laptop). An explicit ``TRITON_INTERPRET`` in the environment decides
+#: either way: ``TRITON_INTERPRET=1`` makes it ``True`` on a GPU machine too.
 INTERPRETED: bool = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
-#: The device type the kernels take their tensors on: ``"cpu"`` or ``"cuda"``.
+#: The device type the kernels take their tensors on, fixed with :data:`INTERPRETED`:
+#: ``"cuda"`` on a machine with a CUDA GPU, ``"cpu"`` on one without (or under
+#: ``TRITON_INTERPRET=1``). CPU tensors on a GPU machine are computed too, by each
+#: function's padded PyTorch stage (the persistent LSTM: by the ``nn.LSTM`` it wraps).
 KERNEL_DEVICE: str = "cpu" if INTERPRETED else "cuda"
 
 

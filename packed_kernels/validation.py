@@ -247,7 +247,14 @@ def set_strict_checks(enabled: bool) -> bool:
     In strict mode, an eager call on CUDA tensors waits for its own stream once its kernels
     are queued, and raises a violation of its values before it returns, as a call on CPU
     tensors always does. That wait is a synchronisation: use it to find which call gets
-    bad values, not in a model's hot path."""
+    bad values, not in a model's hot path.
+
+    Example:
+        >>> import packed_kernels as pk
+        >>> previous = pk.set_strict_checks(True)  # from here on, CUDA calls raise within the call
+        >>> pk.set_strict_checks(previous)  # back to the earlier setting; returns the replaced one
+        True
+    """
     previous = _STRICT[0]
     _STRICT[0] = check_bool("enabled", enabled)
     return previous
@@ -255,7 +262,18 @@ def set_strict_checks(enabled: bool) -> bool:
 
 @contextlib.contextmanager
 def strict_checks(enabled: bool = True):
-    """Strict mode (:func:`set_strict_checks`) inside a ``with`` block."""
+    """Strict mode (:func:`set_strict_checks`) inside a ``with`` block; the earlier setting
+    comes back when the block ends, even through an exception.
+
+    Example:
+        >>> import torch
+        >>> import packed_kernels as pk
+        >>> with pk.strict_checks():  # unsorted idx: raised within the call on any device
+        ...     pk.segmented_sum(torch.ones(3), torch.tensor([0, 2, 1]), 3)
+        Traceback (most recent call last):
+          ...
+        ValueError: segmented_sum: idx must be sorted in non-decreasing order, which fails at row 2
+    """
     previous = set_strict_checks(enabled)
     try:
         yield
@@ -281,7 +299,16 @@ def check_errors() -> None:
 
     The default mode reports a violation at the start of a later call; call this where a
     program must know that everything so far had valid values (at the end of a step, a
-    test, a data-loading check)."""
+    test, a data-loading check). Returns ``None`` when nothing was reported.
+
+    Example:
+        >>> import torch
+        >>> import packed_kernels as pk
+        >>> total = pk.segmented_sum(torch.ones(4), torch.tensor([0, 0, 1, 1]), 2)
+        >>> pk.check_errors()  # waits for any GPU work: raises if an earlier call got a bad idx
+        >>> total
+        tensor([2., 2.])
+    """
     if "cuda" in _WORDS and torch.cuda.is_available():
         for index in range(torch.cuda.device_count()):
             torch.cuda.synchronize(index)

@@ -65,6 +65,20 @@ class CTCAlignment(NamedTuple):
             the target lengths.
         log_likelihood: ``(B,)``, the best path's log-probability (the sum of its frames'
             ``scores``), the dtype of ``scores``: ``-inf`` where no alignment exists.
+
+    Example:
+        >>> import torch
+        >>> import packed_kernels as pk
+        >>> log_probs = torch.zeros(4, 3).log_softmax(-1)  # uniform: tokens take the first frames
+        >>> alignment = pk.packed_ctc_align(log_probs, pk.cu_seqlens_from_lengths([3, 1]),
+        ...                                 torch.tensor([1, 2, 2]), [2, 1])  # targets 1 2 and 2
+        >>> alignment.labels, alignment.tokens
+        (tensor([1, 2, 0, 2]), tensor([ 0,  1, -1,  0]))
+        >>> alignment.spans[alignment.span_offsets[0]:alignment.span_offsets[1]]  # utterance 0
+        tensor([[0, 0],
+                [1, 1]])
+        >>> alignment.log_likelihood.round(decimals=4)  # 3 and 1 frames of log(1/3)
+        tensor([-3.2958, -1.0986])
     """
 
     labels: Tensor
@@ -251,12 +265,14 @@ def packed_ctc_align(
     Example:
         >>> import torch
         >>> import packed_kernels as pk
-        >>> lengths = torch.tensor([5, 3])  # frames of two utterances
-        >>> log_probs = torch.randn(8, 4).log_softmax(-1)  # 8 frames, 4 classes
-        >>> alignment = pk.packed_ctc_align(log_probs, pk.cu_seqlens_from_lengths(lengths),
-        ...                                 torch.tensor([1, 2, 3]), target_lengths=[2, 1])
-        >>> alignment.labels.shape, alignment.spans.shape, alignment.span_offsets.tolist()
-        (torch.Size([8]), torch.Size([3, 2]), [0, 2, 3])
+        >>> peaks = torch.tensor([1, 1, 0, 2, 0, 1])  # each frame's likeliest class: 4 + 2 frames
+        >>> log_probs = (4.0 * torch.nn.functional.one_hot(peaks, 3)).log_softmax(-1)
+        >>> alignment = pk.packed_ctc_align(log_probs, pk.cu_seqlens_from_lengths([4, 2]),
+        ...                                 torch.tensor([1, 2, 1]), [2, 1])  # targets 1 2 and 1
+        >>> alignment.labels, alignment.tokens
+        (tensor([1, 1, 0, 2, 0, 1]), tensor([ 0,  0, -1,  1, -1,  0]))
+        >>> alignment.spans.tolist()  # each token's first and last frame in its utterance
+        [[0, 1], [3, 3], [1, 1]]
     """
     return _alignment_of("packed_ctc_align", _ALIGN_CHECKS, _ctc_align, log_probs, "log_probs", cu_seqlens, targets,
                          target_lengths, blank, lambda log_probs: log_probs)
@@ -284,12 +300,13 @@ def packed_ctc_align_from_logits(
     Example:
         >>> import torch
         >>> import packed_kernels as pk
-        >>> logits = torch.randn(8, 4)  # 8 frames of two utterances, 4 classes
-        >>> alignment = pk.packed_ctc_align_from_logits(
-        ...     logits, pk.cu_seqlens_from_lengths(torch.tensor([5, 3])), torch.tensor([[1, 2], [3, 0]]),
-        ...     target_lengths=torch.tensor([2, 1]))
-        >>> alignment.tokens.shape, alignment.log_likelihood.shape
-        (torch.Size([8]), torch.Size([2]))
+        >>> logits = 4.0 * torch.nn.functional.one_hot(torch.tensor([1, 1, 0, 2, 0, 1]), 3)  # 4 + 2 frames
+        >>> alignment = pk.packed_ctc_align_from_logits(logits, pk.cu_seqlens_from_lengths([4, 2]),
+        ...                                             torch.tensor([[1, 2], [1, 0]]), [2, 1])
+        >>> alignment.labels
+        tensor([1, 1, 0, 2, 0, 1])
+        >>> alignment.log_likelihood.round(decimals=4)  # each utterance's best path
+        tensor([-0.1439, -0.0720])
     """
     return _alignment_of("packed_ctc_align_from_logits", _ALIGN_LOGITS_CHECKS, _ctc_align_from_logits, logits,
                          "logits", cu_seqlens, targets, target_lengths, blank,

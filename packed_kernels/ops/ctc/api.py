@@ -509,14 +509,15 @@ def packed_ctc_loss(
     Example:
         >>> import torch
         >>> import packed_kernels as pk
-        >>> lengths = torch.tensor([5, 3])  # frames of two utterances
-        >>> log_probs = torch.randn(8, 4).log_softmax(-1).requires_grad_()  # 8 frames, 4 classes
-        >>> targets = torch.tensor([[1, 2], [3, 0]])  # padded; blank = 0
-        >>> loss = pk.packed_ctc_loss(log_probs, pk.cu_seqlens_from_lengths(lengths), targets,
-        ...                           target_lengths=torch.tensor([2, 1]))
-        >>> loss.backward()
-        >>> loss.shape, log_probs.grad.shape
-        (torch.Size([]), torch.Size([8, 4]))
+        >>> log_probs = torch.full((5, 3), 1 / 3).log().requires_grad_()  # 3 + 2 frames, 3 classes
+        >>> cu_seqlens = pk.cu_seqlens_from_lengths([3, 2])
+        >>> targets = torch.tensor([[1, 2], [1, 0]])  # padded, target lengths 2 and 1; blank 0
+        >>> loss = pk.packed_ctc_loss(log_probs, cu_seqlens, targets, [2, 1], reduction="none")
+        >>> loss.detach().round(decimals=4)  # uniform: exp(-loss) = 5 / 3**3 and 3 / 3**2 paths
+        tensor([1.6864, 1.0986])
+        >>> loss.sum().backward()
+        >>> log_probs.grad.shape
+        torch.Size([5, 3])
     """
     validation.raise_reported()
     blank, target_lengths, values = _check_arguments(log_probs, cu_seqlens, targets, target_lengths, blank,

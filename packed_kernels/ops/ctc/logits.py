@@ -312,13 +312,14 @@ def packed_ctc_loss_from_logits(
     Example:
         >>> import torch
         >>> import packed_kernels as pk
-        >>> logits = torch.randn(8, 4, requires_grad=True)  # 8 frames of two utterances, 4 classes
-        >>> loss = pk.packed_ctc_loss_from_logits(
-        ...     logits, pk.cu_seqlens_from_lengths(torch.tensor([5, 3])), torch.tensor([[1, 2], [3, 0]]),
-        ...     target_lengths=torch.tensor([2, 1]))
-        >>> loss.backward()
+        >>> logits = torch.zeros(5, 3, requires_grad=True)  # 3 + 2 frames, 3 classes
+        >>> cu_seqlens, targets = pk.cu_seqlens_from_lengths([3, 2]), torch.tensor([[1, 2], [1, 0]])
+        >>> loss = pk.packed_ctc_loss_from_logits(logits, cu_seqlens, targets, [2, 1], reduction="none")
+        >>> loss.detach().round(decimals=4)  # the loss of logits.log_softmax(-1), uniform here
+        tensor([1.6864, 1.0986])
+        >>> loss.sum().backward()
         >>> logits.grad.shape
-        torch.Size([8, 4])
+        torch.Size([5, 3])
     """
     validation.raise_reported()
     blank, target_lengths, values = _check_arguments(logits, cu_seqlens, targets, target_lengths, blank,
@@ -425,14 +426,15 @@ def linear_packed_ctc_loss(
     Example:
         >>> import torch
         >>> import packed_kernels as pk
-        >>> head = torch.nn.Linear(16, 5)  # D = 16 features, C = 5 classes
-        >>> hidden = torch.randn(8, 16, requires_grad=True)  # 8 frames of two utterances
-        >>> loss = pk.linear_packed_ctc_loss(
-        ...     hidden, head.weight, head.bias, pk.cu_seqlens_from_lengths(torch.tensor([5, 3])),
-        ...     torch.tensor([[1, 2], [3, 0]]), target_lengths=torch.tensor([2, 1]), chunk_frames=4)
-        >>> loss.backward()
-        >>> hidden.grad.shape, head.weight.grad.shape, head.bias.grad.shape
-        (torch.Size([8, 16]), torch.Size([5, 16]), torch.Size([5]))
+        >>> hidden = torch.ones(5, 4, requires_grad=True)  # 3 + 2 frames, D = 4 features
+        >>> weight = torch.zeros(3, 4, requires_grad=True)  # C = 3 classes; uniform logits here
+        >>> loss = pk.linear_packed_ctc_loss(hidden, weight, None, pk.cu_seqlens_from_lengths([3, 2]),
+        ...                                  torch.tensor([[1, 2], [1, 0]]), [2, 1], reduction="none")
+        >>> loss.detach().round(decimals=4)
+        tensor([1.6864, 1.0986])
+        >>> loss.sum().backward()
+        >>> hidden.grad.shape, weight.grad.shape
+        (torch.Size([5, 4]), torch.Size([3, 4]))
     """
     validation.raise_reported()
     _check_linear(hidden, weight, bias)
