@@ -3,7 +3,16 @@
 Four bidirectional layers, 60 input features, hidden size 128, 589 frames (10 s of
 audio), at batch 1, 8, 32, 64, 128 and 256; a hidden-256 variant; and a packed batch of
 chunks of different lengths. Providers: cuDNN through ``nn.LSTM`` (float32, TF32
-off), ``PersistentLSTM`` and, at small batch, the padded PyTorch stage.
+off), ``PersistentLSTM`` and, at small batch, the padded PyTorch stage; at hidden size
+128 the chapter's teaching kernel (``triton_teaching``: one program per sequence, one
+launch per layer and direction, so the directions run one after the other).
+
+Each of these is called eagerly, as a model calls it. In the ``forward`` workload the
+two fast ones are also replayed from a CUDA graph (``cudnn_graph``,
+``triton_persistent_graph``: the GPU's time alone, no host work), and at batch 1, 32 and
+128 ``nn.LSTM`` runs under ``torch.compile`` (``cudnn_compiled``). Dynamo does not trace
+``nn.LSTM`` by default (``torch._dynamo.config.allow_rnn`` is off): it breaks the graph
+and calls cuDNN, so that row is what a user who compiles the model gets.
 
 In half precision (workloads ``forward float16`` and ``forward bfloat16``): the same
 stack at batch 1, 32 and 128 and a hidden-512 variant at batch 32, with the module and
@@ -24,6 +33,7 @@ design can go below it.
 """
 from __future__ import annotations
 
+import math
 from typing import Iterable
 
 import torch
@@ -31,6 +41,7 @@ import triton
 import triton.language as tl
 
 from .harness import Case
+from .models import _captured
 
 PYANNOTE = dict(I=60, H=128, layers=4, T=589)
 
@@ -69,16 +80,20 @@ def _lstm(I, H, layers, seed=0, dtype=torch.float32):
 
 def _no_grad(build):
     """A provider from ``build(B, T, I, H, layers) -> (model, input)``: the factory builds
-    both once, and the timed call is ``model(input)`` without autograd."""
+    both once, and the timed call is ``model(input)`` without autograd, run as ``mode``
+    says: ``"eager"``, ``"graph"`` (captured once into a CUDA graph and replayed) or
+    ``"compiled"`` (``model`` under ``torch.compile``)."""
 
-    def provider(B, T, I, H, layers):
+    def provider(B, T, I, H, layers, mode="eager"):
         def factory():
             model, inputs = build(B, T, I, H, layers)
+            if mode == "compiled":
+                model = torch.compile(model)
 
             def run():
                 with torch.no_grad():
                     return model(inputs)
-            return run
+            return _captured(run) if mode == "graph" else run
         return factory
     return provider
 
@@ -148,6 +163,40 @@ def _persistent_packed(B, T, I, H, layers):
     return model, pack(torch.randn(B, T, I, device="cuda"), _packed_lengths(B, T).cuda())
 
 
+def _teaching_stack(lstm):
+    """The stack of ``lstm`` run by the chapter's teaching kernel on a ``Packed`` batch:
+    per layer, the forward and then the reverse direction, each one launch of
+    ``lstm_layer_teaching``; returns the last layer's ``(N, 2H)`` rows."""
+    from ..ops.lstm.padded_torch import lstm_weights
+    from ..ops.lstm.teaching import lstm_layer_teaching
+
+    weights = lstm_weights(lstm)
+
+    def run(packed):
+        rows = packed.data
+        for layer in weights:
+            rows = torch.cat([lstm_layer_teaching(rows, packed.cu_seqlens, *w, reverse=direction == 1)[0]
+                              for direction, w in enumerate(layer)], dim=1)
+        return rows
+    return run
+
+
+@_no_grad
+def _teaching(B, T, I, H, layers):
+    from ..packing import pack
+
+    full = torch.full((B,), T, device="cuda")
+    return _teaching_stack(_lstm(I, H, layers)), pack(torch.randn(B, T, I, device="cuda"), full)
+
+
+@_no_grad
+def _teaching_packed(B, T, I, H, layers):
+    from ..packing import pack
+
+    return _teaching_stack(_lstm(I, H, layers)), pack(torch.randn(B, T, I, device="cuda"),
+                                                      _packed_lengths(B, T).cuda())
+
+
 def _floor_bytes(B, T, I, H, layers, frames=None, element_size=4):
     frames = B * T if frames is None else frames
     weights = sum(4 * H * ((I if layer == 0 else 2 * H) + H + 2) * 2 for layer in range(layers))
@@ -155,13 +204,20 @@ def _floor_bytes(B, T, I, H, layers, frames=None, element_size=4):
 
 
 def cases() -> Iterable[Case]:
-    step_ms = handoff_latency_ms()
+    # without a GPU the cases can be listed, not timed: no hand-off to measure
+    step_ms = handoff_latency_ms() if torch.cuda.is_available() else math.nan
     I, H, layers, T = PYANNOTE["I"], PYANNOTE["H"], PYANNOTE["layers"], PYANNOTE["T"]
     notes = {"handoff_us": step_ms * 1e3, "layer_steps": T * layers}
     for H_case, batches in ((H, (1, 8, 32, 64, 128, 256)), (256, (32,))):
         for B in batches:
             shape = (B, T, I, H_case, layers)
-            providers = {"cudnn": _cudnn(*shape), "triton_persistent": _persistent(*shape)}
+            providers = {"cudnn": _cudnn(*shape), "triton_persistent": _persistent(*shape),
+                         "cudnn_graph": _cudnn(*shape, mode="graph"),
+                         "triton_persistent_graph": _persistent(*shape, mode="graph")}
+            if H_case == H:
+                providers["triton_teaching"] = _teaching(*shape)
+            if H_case == H and B in (1, 32, 128):
+                providers["cudnn_compiled"] = _cudnn(*shape, mode="compiled")
             if H_case == H and B in (1, 32):
                 providers["padded_torch"] = _padded_stage(*shape)
             yield Case(
@@ -178,7 +234,8 @@ def cases() -> Iterable[Case]:
     yield Case(
         workload="packed forward",
         params=dict(B=B, T=T, I=I, H=H, layers=layers),
-        providers={"cudnn": _cudnn_packed(*shape), "triton_persistent": _persistent_packed(*shape)},
+        providers={"cudnn": _cudnn_packed(*shape), "triton_persistent": _persistent_packed(*shape),
+                   "triton_teaching": _teaching_packed(*shape)},
         floor_bytes=_floor_bytes(*shape, frames=frames),
         floor_ms=T * layers * step_ms,
         notes=dict(notes, frames=frames),
