@@ -1,13 +1,28 @@
 """CTC loss benchmark: forward plus backward, reduction ``"mean"``; and forced alignment.
 
-Three workloads. ``fwd+bwd``: the loss of given log-probabilities, each provider on the
+Four workloads. ``fwd+bwd``: the loss of given log-probabilities, each provider on the
 same problem in its own layout:
 
 * ``torch``: ``torch.nn.functional.ctc_loss`` on the padded ``(T, B, C)`` log-probabilities,
-  as a model's CTC head calls it;
-* ``triton_packed``: :func:`packed_kernels.packed_ctc_loss` on the packed ``(T_total, C)`` rows;
+  as a model's CTC head calls it (eager);
+* ``torch_compiled``: the same loss under ``torch.compile`` (its forward and backward
+  compiled, the gradient taken eagerly as in the other providers). ``F.ctc_loss`` reads
+  the lengths on the host, so it cannot be captured in a CUDA graph: it has no replayed row;
+* ``triton_packed``: :func:`packed_kernels.packed_ctc_loss` on the packed ``(T_total, C)``
+  rows, eager (the host's work of the call included);
+* ``triton_packed_graph``: the same forward and backward captured once into a CUDA graph
+  and replayed: the kernels' time alone;
 * ``padded_torch``: the chapter's padded PyTorch stage (autograd through the recursion),
   at the shorter shapes only.
+
+``fwd``: the loss alone (``reduction="none"``, no gradient), at the same shapes, for the
+chapter's teaching kernel beside the production forward:
+
+* ``triton_teaching``: :func:`~packed_kernels.ops.ctc.teaching.ctc_loss_teaching`, the
+  alpha recursion with one state per lane, one utterance per program;
+* ``triton_packed``: :func:`packed_kernels.packed_ctc_loss` (its forward computes ``alpha``
+  and ``beta`` at once, which its backward would need);
+* ``torch``: ``F.ctc_loss`` on the padded batch.
 
 ``head fwd+bwd``: the whole output layer, from the hidden states through the vocabulary
 projection to the loss, with the gradients of the hidden states, the weight and the bias,
@@ -123,6 +138,55 @@ def _padded_stage_provider(B, T, C, input_lengths, target_lengths, seed):
     return factory
 
 
+def _torch_compiled_provider(B, T, C, input_lengths, target_lengths, seed):
+    def factory():
+        import torch.nn.functional as F
+
+        x, targets, il, tl = _inputs((T, B, C), B, C, input_lengths, target_lengths, seed)
+        # one compiled graph per shape (static shapes), as a model with fixed buckets has
+        loss_of = torch.compile(lambda x: F.ctc_loss(x, targets, il, tl, blank=0, reduction="mean"),
+                                dynamic=False)
+        return _step(loss_of, x)
+
+    return factory
+
+
+def _packed_graph_provider(B, T, C, input_lengths, target_lengths, seed):
+    def factory():
+        from .models import _captured
+
+        return _captured(_packed_provider(B, T, C, input_lengths, target_lengths, seed)())
+
+    return factory
+
+
+def _forward_provider(name: str, B, T, C, input_lengths, target_lengths, seed):
+    """The loss alone (``reduction="none"``, no gradient) by provider ``name``."""
+
+    def factory():
+        import torch.nn.functional as F
+
+        from .. import cu_seqlens_from_lengths, packed_ctc_loss
+        from ..ops.ctc.teaching import ctc_loss_teaching
+
+        layout = (T, B, C) if name == "torch" else (int(input_lengths.sum()), C)
+        x, targets, il, tl = _inputs(layout, B, C, input_lengths, target_lengths, seed)
+        x = x.detach()
+        cu = cu_seqlens_from_lengths(il)
+        if name == "torch":
+            return lambda: F.ctc_loss(x, targets, il, tl, blank=0, reduction="none")
+        if name == "triton_packed":
+            return lambda: packed_ctc_loss(x, cu, targets, tl, blank=0, reduction="none")
+        if name == "triton_teaching":
+            return lambda: ctc_loss_teaching(x, cu, targets, tl, blank=0)
+        raise ValueError(f"unknown forward provider {name!r}")
+
+    return factory
+
+
+FORWARD_PROVIDERS = ("triton_teaching", "triton_packed", "torch")
+
+
 def _log_prob_cases() -> Iterator[Case]:
     for index, (B, T, C, ratio) in enumerate(SHAPES):
         seed = 1000 + index
@@ -132,16 +196,28 @@ def _log_prob_cases() -> Iterator[Case]:
         args = (B, T, C, input_lengths, target_lengths, seed)
         providers = {
             "torch": _torch_provider(*args),
+            "torch_compiled": _torch_compiled_provider(*args),
             "triton_packed": _packed_provider(*args),
+            "triton_packed_graph": _packed_graph_provider(*args),
         }
         if T <= 500:  # a Python loop over frames, one step per frame: the short shapes only
             providers["padded_torch"] = _padded_stage_provider(*args)
+        params = {"shape": f"B{B} T{T} C{C} U{U}", "B": B, "T": T, "C": C, "ratio": ratio}
+        notes = {"T_total": T_total, "U": U, "packed_fraction": T_total / (B * T)}
         yield Case(
             workload="fwd+bwd",
-            params={"shape": f"B{B} T{T} C{C} U{U}", "B": B, "T": T, "C": C, "ratio": ratio},
+            params=params,
             providers=providers,
             floor_bytes=2.0 * T_total * C * 4,  # read the float32 log-probs once, write the gradient once
-            notes={"T_total": T_total, "U": U, "packed_fraction": T_total / (B * T)},
+            notes=notes,
+        )
+        yield Case(
+            workload="fwd",
+            params=params,
+            providers={name: _forward_provider(name, *args) for name in FORWARD_PROVIDERS},
+            # each frame's blank and label columns read once (float32), one loss per utterance written
+            floor_bytes=float((input_lengths * (target_lengths + 1)).sum() * 4 + B * 4),
+            notes=notes,
         )
 
 
