@@ -7,9 +7,15 @@ bytes of 4M tokens at n = 4. Providers:
   in ``fwd+bwd``); ``triton_tile``: the tile kernels where another layout is the
   default (one token per thread at n = 4 and 8, column groups in the forward at n = 16
   and 32 and in the implicit backward at n = 16), to show what that layout is worth;
+* ``triton_teaching``: the chapter's teaching kernel (forward only, one matrix a
+  program, log-space iterations), beside the production kernel at every size;
 * ``torch_loop``: the padded PyTorch stage, autograd through the 20-iteration loop;
-  ``torch_loop_compiled``: the same forward (and backward) under ``torch.compile``, what
-  a user who fuses the loop with the compiler gets;
+  ``torch_loop_compiled``: the same forward (and, in ``fwd+bwd``, autograd through the
+  compiled loop) under ``torch.compile``, what a user who fuses the loop with the
+  compiler gets (compiled afresh for each size, static shapes);
+* ``triton_graph`` and ``torch_loop_graph`` (``fwd`` and ``fwd+bwd``): ``triton`` and
+  ``torch_loop`` captured once into a CUDA graph and replayed, the GPU's time without the
+  host's; in ``fwd+bwd`` the step is ``torch.autograd.grad`` of ``R`` with ``dR``;
 * ``torch_cg``: the padded PyTorch implicit backward (batched conjugate gradient,
   ``2n`` steps);
 * ``eps_cg_float32``: plain float32 conjugate gradient on ``[[I, R], [R^T, I]]`` with
@@ -24,6 +30,7 @@ from typing import Iterable
 import torch
 
 from .harness import Case
+from .models import _captured
 
 ITERS = 20
 _SIZES = [(4, 1 << 16), (4, 1 << 20), (4, 1 << 22), (8, 1 << 20), (16, 1 << 18), (32, 1 << 16)]
@@ -45,21 +52,39 @@ def _layout(provider):
 
 def _fwd_triton(provider, n, tokens):
     def factory():
+        from ..ops.sinkhorn.teaching import sinkhorn_teaching
         from ..ops.sinkhorn.triton_kernels import forward_config, sinkhorn_forward_triton
 
         logits, _ = _inputs(n, tokens, 0)
+        if provider == "triton_teaching":
+            return lambda: sinkhorn_teaching(logits, ITERS)
         config = forward_config(n, logits.dtype, layout=_layout(provider))
-        return lambda: sinkhorn_forward_triton(logits, ITERS, config)
+
+        def step():
+            return sinkhorn_forward_triton(logits, ITERS, config)
+        return _captured(step) if provider == "triton_graph" else step
     return factory
 
 
-def _fwd_torch(n, tokens, compiled=False):
+def _compiled_loop():
+    """The padded PyTorch loop under ``torch.compile``, compiled afresh for the shapes it
+    first sees (so that no size reuses, or runs out of, another size's compiled code)."""
+    from ..ops.sinkhorn.padded_torch import sinkhorn_padded
+
+    torch._dynamo.reset()
+    return torch.compile(sinkhorn_padded, dynamic=False)
+
+
+def _fwd_torch(provider, n, tokens):
     def factory():
         from ..ops.sinkhorn.padded_torch import sinkhorn_padded
 
         logits, _ = _inputs(n, tokens, 0)
-        loop = torch.compile(sinkhorn_padded) if compiled else sinkhorn_padded
-        return lambda: loop(logits, ITERS)
+        loop = _compiled_loop() if provider == "torch_loop_compiled" else sinkhorn_padded
+
+        def step():
+            return loop(logits, ITERS)
+        return _captured(step) if provider == "torch_loop_graph" else step
     return factory
 
 
@@ -115,8 +140,12 @@ def _fwd_bwd(provider, n, tokens):
         if provider == "torch_loop":
             return (lambda: padded_torch.sinkhorn_padded(logits, ITERS).backward(grad)), [logits]
         if provider == "torch_loop_compiled":
-            loop = torch.compile(padded_torch.sinkhorn_padded)
+            loop = _compiled_loop()
             return (lambda: loop(logits, ITERS).backward(grad)), [logits]
+        if provider in ("triton_graph", "torch_loop_graph"):
+            project = (lambda x: sinkhorn(x, ITERS)) if provider == "triton_graph" else (
+                lambda x: padded_torch.sinkhorn_padded(x, ITERS))
+            return _captured(lambda: torch.autograd.grad(project(logits), logits, grad))
 
         def torch_cg():
             with torch.no_grad():
@@ -140,9 +169,8 @@ def cases() -> Iterable[Case]:
         fwd_tile = tile(forward_config(n, torch.float32))
         implicit_tile = tile(implicit_backward_config(n, torch.float32, False))
         unrolled_tile = tile(unrolled_backward_config(n, torch.float32, ITERS))
-        fwd = {"triton": _fwd_triton("triton", n, tokens), "torch_loop": _fwd_torch(n, tokens),
-               "torch_loop_compiled": _fwd_torch(n, tokens, compiled=True)}
-        fwd.update({p: _fwd_triton(p, n, tokens) for p in fwd_tile})
+        fwd = {p: _fwd_triton(p, n, tokens) for p in ("triton", *fwd_tile, "triton_teaching", "triton_graph")}
+        fwd.update({p: _fwd_torch(p, n, tokens) for p in ("torch_loop", "torch_loop_compiled", "torch_loop_graph")})
         yield Case("fwd", params, fwd, floor_bytes=2 * matrix_bytes, notes=notes)
         yield Case("bwd_implicit", params,
                    {p: _implicit(p, n, tokens) for p in ("triton", *implicit_tile, "torch_cg", "eps_cg_float32")},
@@ -150,6 +178,6 @@ def cases() -> Iterable[Case]:
         yield Case("bwd_unrolled", params, {p: _unrolled(p, n, tokens) for p in ("triton", *unrolled_tile, "torch_loop")},
                    floor_bytes=3 * matrix_bytes, notes=notes)
         yield Case("fwd+bwd", params,
-                   {p: _fwd_bwd(p, n, tokens) for p in ("triton", "triton_unrolled", "torch_loop", "torch_loop_compiled",
-                                                        "torch_cg")},
+                   {p: _fwd_bwd(p, n, tokens) for p in ("triton", "triton_unrolled", "triton_graph", "torch_loop",
+                                                        "torch_loop_compiled", "torch_loop_graph", "torch_cg")},
                    floor_bytes=4 * matrix_bytes, notes=notes)
