@@ -50,7 +50,7 @@ _CHECKS_JS = r"""
   };
   const describe = (el) => {
     const text = (el.innerText || el.getAttribute("alt") || el.tagName).trim().replace(/\s+/g, " ");
-    return el.tagName.toLowerCase() + " '" + text.slice(0, 70) + "'";
+    return el.tagName.toLowerCase() + " '" + Array.from(text).slice(0, 70).join("") + "'";
   };
   // 1. untypeset TeX
   const walker = document.createTreeWalker(article, NodeFilter.SHOW_TEXT);
@@ -69,8 +69,11 @@ _CHECKS_JS = r"""
     if (!visible(el) || getComputedStyle(el).display.startsWith("inline")) continue;
     const box = el.getBoundingClientRect();
     const inner = el.tagName === "MJX-CONTAINER" ? el.firstElementChild : null;
-    const scrolls = el.tagName === "PRE" && ["auto", "scroll"].includes(getComputedStyle(el).overflowX);
-    const width = inner ? inner.getBoundingClientRect().width : (scrolls ? box.width : Math.max(box.width, el.scrollWidth));
+    // a block that scrolls sideways inside itself (code, a table, display maths) may hold
+    // more than the column shows, as long as its own box stays inside the column
+    const scrolls = ["PRE", "TABLE", "MJX-CONTAINER"].includes(el.tagName)
+      && ["auto", "scroll"].includes(getComputedStyle(el).overflowX);
+    const width = scrolls ? box.width : (inner ? inner.getBoundingClientRect().width : Math.max(box.width, el.scrollWidth));
     if (box.left + width > column.right + 2 || (!scrolls && el.scrollWidth > el.clientWidth + 2)) {
       problems.push("wider than the text column (" + Math.round(width) + " > " +
                     Math.round(column.right - box.left) + " px): " + describe(el));
@@ -206,7 +209,7 @@ def check(root: pathlib.Path, screenshots: pathlib.Path | None) -> int:
                 status = "ok" if not problems else f"{len(problems)} problem(s)"
                 print(f"{relative} at {width} px: {status}{note}")
                 for problem in problems:
-                    print(f"    {problem}")
+                    print("    " + problem.encode("utf-8", "backslashreplace").decode("utf-8"))
                 failures += len(problems)
             page.close()
         browser.close()
