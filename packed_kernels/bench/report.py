@@ -41,8 +41,8 @@ def describe_run(rows: pd.DataFrame) -> str:
         return " and ".join(sorted(seen)) or "?"
 
     bandwidths = sorted({float(v) / 1e12 for v in rows["copy_bytes_per_s"].dropna()}) if "copy_bytes_per_s" in rows else []
-    bandwidth = " to ".join(f"{b:.2f}" for b in (bandwidths[0], bandwidths[-1])) if len(bandwidths) > 1 else (
-        f"{bandwidths[0]:.2f}" if bandwidths else "?")
+    shown = list(dict.fromkeys(f"{b:.2f}" for b in (bandwidths[0], bandwidths[-1]))) if bandwidths else ["?"]
+    bandwidth = " to ".join(shown)
     return (
         f"Measured on {values('gpu')} on {values('date')} with torch {values('torch')} and "
         f"triton {values('triton')} (CUDA {values('cuda')}); measured copy bandwidth "

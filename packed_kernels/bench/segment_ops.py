@@ -12,22 +12,30 @@ segments (``num_segments`` four times the last index plus one: workload ``forwar
 trailing empty segments``), under workload names of their own so that they never mix
 with the float32 rows of the same parameters.
 
-Providers:
+Providers (a suffix names how the step runs: none, eager; ``_graph``, captured once into
+a CUDA graph and replayed with ``models._captured``, the GPU's time without the host's
+per-call work; ``_compiled``, under ``torch.compile``):
 
 * ``triton``: the operators without the eager argument checks (what
   runs inside ``torch.compile`` and CUDA graphs, where the host-reading checks are
-  skipped);
-* ``triton_graph``: the same, replayed from a CUDA graph (GPU time without the host's
-  per-call overhead; ``forward`` and ``fwd+bwd``). The gradients of ``fwd+bwd`` come from
-  ``torch.autograd.grad`` for every provider, so none accumulates into ``.grad``, eager
-  or replayed;
-* ``triton_checked``: the public function in eager mode, checks included (one host
-  synchronisation to validate ``idx``);
+  skipped); ``triton_graph``: the same, replayed (forward, ``fwd+bwd`` and
+  ``fwd+bwd+bwd2``). The gradients come from ``torch.autograd.grad`` for every provider,
+  so none accumulates into ``.grad``, eager or replayed;
+* ``triton_checked``: the public function in eager mode, checks included;
+* ``triton_teaching``: the chapter's teaching kernel, one program per segment
+  (:mod:`packed_kernels.ops.segment.teaching`), forward ``sum`` only, at every size;
 * ``index_add``: PyTorch composed from ``index_add`` / ``index_select`` (scatter with
   atomics: nondeterministic in float on the GPU), differentiable to any order;
+  ``index_add_graph``: the same, replayed, wherever ``triton_graph`` runs;
+  ``index_add_compiled``: the same function under ``torch.compile`` (its backward
+  compiled by AOTAutograd), at 16M rows only (``forward`` of sum and mean, ``fwd+bwd``
+  of sum): each compile costs seconds, and AOTAutograd refuses a double backward, so
+  ``fwd+bwd+bwd2`` has no compiled provider;
 * ``segment_reduce``: ``torch.segment_reduce`` with precomputed lengths (sum and mean;
-  it has no second derivative);
-* ``padded``: the padded PyTorch stage of this chapter;
+  it has no second derivative); ``segment_reduce_graph``: the same, replayed (forward at
+  16M rows);
+* ``padded``: the padded PyTorch stage of this chapter (eager only: it reads the longest
+  segment's length on the host);
 * ``eager_floor``: the least an eager call through autograd costs on this host
   whatever its kernels: an ``autograd.Function`` that allocates its output and launches
   one Triton kernel that does nothing (and, for ``fwd+bwd``, the same in its backward).
@@ -48,6 +56,7 @@ from typing import Callable, Iterable, List
 import torch
 
 from .harness import Case
+from .models import _captured
 
 ROW_COUNTS = (1 << 20, 1 << 24)
 MEAN_LENGTHS = (10, 100, 10_000)
@@ -143,38 +152,53 @@ def _segment_reduce(op: str, lengths: torch.Tensor) -> Callable:
     return lambda x, idx, S: torch.segment_reduce(x, reduce, lengths=lengths, axis=0, unsafe=True)
 
 
+#: How a provider's step runs, from its name's suffix: ``eager`` (no suffix), ``graph``
+#: (captured once into a CUDA graph and replayed) or ``compiled`` (``torch.compile``).
+MODES = ("graph", "compiled")
+
+
+def _implementation_and_mode(provider: str):
+    for mode in MODES:
+        if provider.endswith(f"_{mode}"):
+            return provider[: -len(mode) - 1], mode
+    return provider, "eager"
+
+
 def _provider(op: str, provider: str, order: str, n_rows: int, mean_length: int, width: int,
               dtype: torch.dtype = torch.float32, trailing: bool = False):
+    implementation, mode = _implementation_and_mode(provider)
+
     def factory():
-        from ..ops.segment import api as functions, padded_torch
+        from ..ops.segment import api as functions, padded_torch, teaching
 
         idx, num_segments = _layout(n_rows, mean_length, trailing)
         inputs = _inputs(op, n_rows, num_segments, width, dtype)
         counts = torch.bincount(idx, minlength=num_segments)
-        if provider in ("triton", "triton_graph"):
+        if implementation == "triton":
             fn = functions.UNCHECKED[op]
-        elif provider == "triton_checked":
+        elif implementation == "triton_checked":
             fn = getattr(functions, f"segmented_{op}")
-        elif provider == "index_add":
+        elif implementation == "triton_teaching" and op == "sum" and order == "forward":
+            fn = teaching.segmented_sum_teaching
+        elif implementation == "index_add":
             fn = _torch_composed(op, counts)
-        elif provider == "segment_reduce":
+        elif implementation == "segment_reduce":
             fn = _segment_reduce(op, counts)
-        elif provider == "padded":
+        elif implementation == "padded":
             fn = getattr(padded_torch, f"segmented_{op}_padded")
-        elif provider == "eager_floor":
+        elif implementation == "eager_floor":
             fn = _eager_floor()
         else:
             raise ValueError(provider)
+        if mode == "compiled":
+            # the plain PyTorch function under torch.compile; its backward is compiled too
+            fn = torch.compile(fn)
+
+        def replayed_if_graph(step):
+            return _captured(step) if mode == "graph" else step
+
         if order == "forward":
-            if provider == "triton_graph":
-                # The same operator replayed from a CUDA graph: GPU time without the
-                # host's per-call overhead (what torch.compile with CUDA graphs sees).
-                fn(*inputs, idx, num_segments)
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph):
-                    fn(*inputs, idx, num_segments)
-                return graph.replay
-            return lambda: fn(*inputs, idx, num_segments)
+            return replayed_if_graph(lambda: fn(*inputs, idx, num_segments))
         for t in inputs:
             t.requires_grad_()
         probe = fn(*inputs, idx, num_segments)
@@ -184,13 +208,7 @@ def _provider(op: str, provider: str, order: str, n_rows: int, mean_length: int,
             # the gradients as autograd.grad returns them: no .grad accumulates, eager or replayed
             def step():
                 torch.autograd.grad(fn(*inputs, idx, num_segments), inputs, grad_out)
-            if provider == "triton_graph":
-                step()
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph):
-                    step()
-                return graph.replay
-            return step
+            return replayed_if_graph(step)
         grad_out.requires_grad_()
         cotangents = [torch.randn_like(t) for t in inputs]
 
@@ -198,7 +216,7 @@ def _provider(op: str, provider: str, order: str, n_rows: int, mean_length: int,
             out = fn(*inputs, idx, num_segments)
             firsts = torch.autograd.grad(out, inputs, grad_out, create_graph=True)
             torch.autograd.grad(firsts, inputs + [grad_out], cotangents, allow_unused=True)
-        return step2
+        return replayed_if_graph(step2)
 
     return factory
 
@@ -247,48 +265,55 @@ def _case(op: str, order: str, n_rows: int, mean_length: int, width: int, provid
 
 
 def cases() -> Iterable[Case]:
-    # Sum and mean forward at every size, length and width.
-    for n_rows in ROW_COUNTS:
+    n_rows = ROW_COUNTS[-1]
+    # Sum and mean forward at every size, length and width: each implementation eager and
+    # replayed, the teaching kernel beside the production one, and at the largest size
+    # (the speed figure's) the padded stage and index_add under torch.compile.
+    for rows in ROW_COUNTS:
         for mean_length in MEAN_LENGTHS:
             for width in (1, 3):
                 for op in ("sum", "mean"):
-                    providers = ["triton", "index_add", "segment_reduce"]
+                    providers = ["triton", "triton_graph", "index_add", "index_add_graph", "segment_reduce"]
                     if op == "sum":
-                        # eager (checked) against the graph replay of the same call, and
-                        # the least an eager call through autograd costs
-                        providers += ["triton_graph", "triton_checked", "eager_floor"]
-                    if n_rows == ROW_COUNTS[-1]:
-                        providers += ["padded"] + (["triton_graph"] if op != "sum" else [])
-                    yield _case(op, "forward", n_rows, mean_length, width, providers)
+                        # the public function (checks included), the least an eager call
+                        # through autograd costs, and the one-program-per-segment kernel
+                        providers += ["triton_checked", "eager_floor", "triton_teaching"]
+                    if rows == n_rows:
+                        providers += ["segment_reduce_graph", "padded", "index_add_compiled"]
+                    yield _case(op, "forward", rows, mean_length, width, providers)
     # Sum with its gradient at 1M rows, short segments: eager against graph replay.
     for width in (1, 3):
         yield _case("sum", "fwd+bwd", ROW_COUNTS[0], 10, width,
-                    ["triton", "triton_graph", "triton_checked", "eager_floor", "index_add"])
-    # Sum and mean with their gradient at 16M rows.
-    n_rows = ROW_COUNTS[-1]
+                    ["triton", "triton_graph", "triton_checked", "eager_floor", "index_add", "index_add_graph"])
+    # Sum and mean with their gradient at 16M rows; sum eager, replayed and compiled.
     for mean_length in MEAN_LENGTHS:
         for width in (1, 3):
             for op in ("sum", "mean"):
-                extra = ["triton_graph", "triton_checked", "eager_floor"] if op == "sum" else []
+                extra = ["triton_graph", "triton_checked", "eager_floor", "index_add_graph",
+                         "index_add_compiled"] if op == "sum" else []
                 yield _case(op, "fwd+bwd", n_rows, mean_length, width,
                             ["triton", "index_add", "segment_reduce", "padded"] + extra)
-    # Every op, vec3 rows, both derivative orders, the two extreme lengths.
+    # Every op, vec3 rows, both derivative orders, the two extreme lengths. torch.compile
+    # cannot take a double backward (AOTAutograd), so the second order has no compiled row.
     for mean_length in (10, 10_000):
         for op in ("sum", "mean", "dot", "mul", "rms_norm", "matvec"):
             orders = ("fwd+bwd+bwd2",) if op in ("sum", "mean") else ORDERS
             for order in orders:
-                yield _case(op, order, n_rows, mean_length, 3, ["triton", "index_add", "padded"])
+                providers = ["triton", "index_add", "padded"]
+                if order == "fwd+bwd+bwd2":
+                    providers += ["triton_graph", "index_add_graph"]
+                yield _case(op, order, n_rows, mean_length, 3, providers)
     # bfloat16 rows (float32 sums) beside float32, at the extreme lengths.
     for mean_length in (10, 10_000):
         for width in (1, 3):
             for op in ("sum", "mean"):
-                yield _case(op, "forward", n_rows, mean_length, width, ["triton", "triton_graph", "index_add"],
-                            dtype=torch.bfloat16)
+                yield _case(op, "forward", n_rows, mean_length, width,
+                            ["triton", "triton_graph", "index_add", "index_add_graph"], dtype=torch.bfloat16)
         yield _case("sum", "fwd+bwd", n_rows, mean_length, 3, ["triton", "index_add"], dtype=torch.bfloat16)
     # Three quarters of the segments empty, after the last index.
     for width in (1, 3):
-        yield _case("sum", "forward", n_rows, 10, width, ["triton", "triton_graph", "triton_checked", "index_add"],
-                    trailing=True)
+        yield _case("sum", "forward", n_rows, 10, width,
+                    ["triton", "triton_graph", "triton_checked", "index_add", "index_add_graph"], trailing=True)
 
 
 # --- host time per eager call, launches stubbed -------------------------------------------------
