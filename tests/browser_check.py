@@ -135,7 +135,7 @@ _PROSE_JS = r"""
 }
 """
 
-_CHAPTERS = {"book/ctc.html", "book/sinkhorn.html", "book/segment_ops.html", "book/lstm.html"}
+_CHAPTERS = {f"book/{chapter}.html" for chapter in book_rules.CHAPTERS}
 _VIEWPORTS = ((1280, 900), (390, 844))
 
 _TYPESET_JS = """

@@ -63,7 +63,7 @@ from typing import Dict, Iterator, List, Optional
 
 import torch
 
-from .harness import Case
+from .harness import Case, captured
 
 #: Where the alignment workload's inputs live (the other workloads' are on ``"cuda"``).
 DEVICE = "cuda"
@@ -153,9 +153,7 @@ def _torch_compiled_provider(B, T, C, input_lengths, target_lengths, seed):
 
 def _packed_graph_provider(B, T, C, input_lengths, target_lengths, seed):
     def factory():
-        from .models import _captured
-
-        return _captured(_packed_provider(B, T, C, input_lengths, target_lengths, seed)())
+        return captured(_packed_provider(B, T, C, input_lengths, target_lengths, seed)())
 
     return factory
 

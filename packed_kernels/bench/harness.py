@@ -42,6 +42,21 @@ class Case:
     notes: Dict[str, Any] = field(default_factory=dict)
 
 
+def captured(step: Callable[[], object]) -> Callable[[], None]:
+    """``step`` captured into a CUDA graph (after warm-up runs on a side stream, as
+    PyTorch's capture needs), returned as the graph's replay."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(3):
+            step()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    return graph.replay
+
+
 def environment() -> Dict[str, Any]:
     import triton
 

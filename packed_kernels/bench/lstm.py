@@ -40,8 +40,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .harness import Case
-from .models import _captured
+from .harness import Case, captured
 
 PYANNOTE = dict(I=60, H=128, layers=4, T=589)
 
@@ -93,7 +92,7 @@ def _no_grad(build):
             def run():
                 with torch.no_grad():
                     return model(inputs)
-            return _captured(run) if mode == "graph" else run
+            return captured(run) if mode == "graph" else run
         return factory
     return provider
 

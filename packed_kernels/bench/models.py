@@ -31,7 +31,7 @@ from typing import Callable, Iterable, List
 
 import torch
 
-from .harness import Case
+from .harness import Case, captured
 
 DEVICE = "cuda"
 _MOLECULES = (64, 256, 1024)
@@ -43,24 +43,9 @@ _CHUNKS = (1, 8, 32)
 _SEGMENTATION = dict(frames=589, features=60, hidden=128, layers=4)
 
 
-def _captured(step: Callable[[], object]) -> Callable[[], None]:
-    """``step`` captured into a CUDA graph (after warm-up runs on a side stream, as
-    PyTorch's capture needs), returned as the graph's replay."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(3):
-            step()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        step()
-    return graph.replay
-
-
 def _timed(step: Callable[[], object], mode: str) -> Callable[[], object]:
     if mode == "graph":
-        return _captured(step)
+        return captured(step)
     if mode == "compiled":
         raise ValueError("compile the step's function, not the step")
     return step

@@ -13,7 +13,7 @@ trailing empty segments``), under workload names of their own so that they never
 with the float32 rows of the same parameters.
 
 Providers (a suffix names how the step runs: none, eager; ``_graph``, captured once into
-a CUDA graph and replayed with ``models._captured``, the GPU's time without the host's
+a CUDA graph and replayed with ``harness.captured``, the GPU's time without the host's
 per-call work; ``_compiled``, under ``torch.compile``):
 
 * ``triton``: the operators without the eager argument checks (what
@@ -55,8 +55,7 @@ from typing import Callable, Iterable, List
 
 import torch
 
-from .harness import Case
-from .models import _captured
+from .harness import Case, captured
 
 ROW_COUNTS = (1 << 20, 1 << 24)
 MEAN_LENGTHS = (10, 100, 10_000)
@@ -195,7 +194,7 @@ def _provider(op: str, provider: str, order: str, n_rows: int, mean_length: int,
             fn = torch.compile(fn)
 
         def replayed_if_graph(step):
-            return _captured(step) if mode == "graph" else step
+            return captured(step) if mode == "graph" else step
 
         if order == "forward":
             return replayed_if_graph(lambda: fn(*inputs, idx, num_segments))

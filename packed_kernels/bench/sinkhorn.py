@@ -29,8 +29,7 @@ from typing import Iterable
 
 import torch
 
-from .harness import Case
-from .models import _captured
+from .harness import Case, captured
 
 ITERS = 20
 _SIZES = [(4, 1 << 16), (4, 1 << 20), (4, 1 << 22), (8, 1 << 20), (16, 1 << 18), (32, 1 << 16)]
@@ -62,7 +61,7 @@ def _fwd_triton(provider, n, tokens):
 
         def step():
             return sinkhorn_forward_triton(logits, ITERS, config)
-        return _captured(step) if provider == "triton_graph" else step
+        return captured(step) if provider == "triton_graph" else step
     return factory
 
 
@@ -84,7 +83,7 @@ def _fwd_torch(provider, n, tokens):
 
         def step():
             return loop(logits, ITERS)
-        return _captured(step) if provider == "torch_loop_graph" else step
+        return captured(step) if provider == "torch_loop_graph" else step
     return factory
 
 
@@ -145,7 +144,7 @@ def _fwd_bwd(provider, n, tokens):
         if provider in ("triton_graph", "torch_loop_graph"):
             project = (lambda x: sinkhorn(x, ITERS)) if provider == "triton_graph" else (
                 lambda x: padded_torch.sinkhorn_padded(x, ITERS))
-            return _captured(lambda: torch.autograd.grad(project(logits), logits, grad))
+            return captured(lambda: torch.autograd.grad(project(logits), logits, grad))
 
         def torch_cg():
             with torch.no_grad():
