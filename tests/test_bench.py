@@ -48,6 +48,9 @@ def test_describe_run_names_every_date_of_merged_rows():
     assert "on 2026-12-01 and 2026-12-02 with torch 2.11" in text
     assert "4.24 to 4.25 TB/s" in text
     assert "on 2026-12-01 with" in describe_run(rows.iloc[1:])
+    # runs whose bandwidths round alike state one value, not a range from it to itself
+    close = rows.assign(copy_bytes_per_s=[4.2512e12, 4.2498e12])
+    assert "copy bandwidth 4.25 TB/s." in describe_run(close)
 
 
 def test_the_potential_step_gives_the_index_add_gradients(monkeypatch):
